@@ -1,0 +1,183 @@
+"""Checkpoints through orbax: the train state plus a JSON record of what the run is.
+
+Layout under the run directory::
+
+    checkpoints/<step>/state/   orbax StandardSave of {"step", "params", "opt_state", "rng"}
+    checkpoints/<step>/meta/    JSON: step, the resolved spec, data fingerprint, model shapes,
+                                tracker run id, best-metric bookkeeping
+
+Orbax writes each step into a temporary directory and renames it on commit, so an interrupted
+save is never picked up; leftovers are removed when the manager opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from runner.errors import UserError
+from runner.spec import CheckpointSpec
+
+log = logging.getLogger(__name__)
+
+STATE, META = "state", "meta"
+
+
+class CheckpointWriteError(UserError):
+    """The checkpoint directory cannot be written (read-only, disk full)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any
+    meta: dict[str, Any]
+
+
+def _save_policy(spec: CheckpointSpec) -> policies.SaveDecisionPolicy:
+    chosen: list[policies.SaveDecisionPolicy] = []
+    if spec.every_steps:
+        chosen.append(policies.FixedIntervalPolicy(spec.every_steps))
+    if spec.every_minutes:
+        chosen.append(policies.ContinuousCheckpointingPolicy(minimum_interval_secs=int(spec.every_minutes * 60)))
+    if not chosen:  # only forced saves (final, preemption)
+        chosen.append(policies.SpecificStepsPolicy(steps=()))
+    return policies.AnySavePolicy(chosen)
+
+
+def _preservation_policy(spec: CheckpointSpec) -> policies.PreservationPolicy:
+    keep: list[policies.PreservationPolicy] = [policies.LatestN(spec.keep)]
+    if spec.keep_every:
+        keep.append(policies.EveryNSteps(spec.keep_every))
+    return policies.AnyPreservationPolicy(keep)
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints; every process calls every method."""
+
+    def __init__(self, directory: Path, spec: CheckpointSpec) -> None:
+        self.directory = Path(directory).absolute()
+        self.spec = spec
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=_save_policy(spec),
+            preservation_policy=_preservation_policy(spec),
+            enable_async_checkpointing=spec.async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"Cannot open the checkpoint directory {self.directory}: {err}. "
+                "Fix: make it writable, free some space, or point run.dir somewhere else."
+            ) from None
+
+    # ------------------------------------------------------------------ queries
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    # ------------------------------------------------------------------ save
+
+    def should_save(self, step: int) -> bool:
+        return self.manager.should_save(step)
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], force: bool = False) -> bool:
+        """Start a save (asynchronous unless configured otherwise); returns whether it began."""
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        try:
+            return self.manager.save(step, args=args, force=force)
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"Saving checkpoint step {step} into {self.directory} failed: {err}. Earlier checkpoints "
+                "are untouched. Fix: free disk space or make the directory writable, then rerun the same "
+                "command to resume from the newest complete checkpoint."
+            ) from None
+
+    def wait(self) -> None:
+        """Block until every pending save is committed."""
+        try:
+            self.manager.wait_until_finished()
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"A checkpoint save into {self.directory} failed: {err}. Earlier checkpoints are untouched. "
+                "Fix: free disk space or make the directory writable, then rerun to resume."
+            ) from None
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(self, abstract_state: Any, on_damaged: str = "fallback",
+                       warn: Callable[[str], None] = log.warning) -> Restored | None:
+        """Restore the newest complete checkpoint into `abstract_state`'s shapes and shardings.
+
+        A checkpoint that fails to load (truncated or missing files) is reported and, with
+        ``on_damaged="fallback"``, the previous one is tried.
+        """
+        damaged: list[int] = []
+        try:
+            for step in reversed(self.steps()):
+                restored = self._try_restore(step, abstract_state, on_damaged, warn)
+                if restored is not None:
+                    return restored
+                damaged.append(step)
+            return None
+        finally:
+            if damaged:
+                self._set_aside(damaged)
+
+    def _try_restore(self, step: int, abstract_state: Any, on_damaged: str,
+                     warn: Callable[[str], None]) -> Restored | None:
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{
+                STATE: ocp.args.StandardRestore(abstract_state),
+                META: ocp.args.JsonRestore(),
+            }))
+        except Exception as err:  # orbax/tensorstore raise many types for damaged files
+            first_line = str(err).splitlines()[0][:300] if str(err) else ""
+            reason = f"{type(err).__name__}: {first_line}"
+            where = self.directory / str(step)
+            if on_damaged == "stop":
+                raise UserError(
+                    f"The newest checkpoint {where} is damaged and cannot be restored ({reason}). "
+                    "Fix: delete that step directory to resume from the previous checkpoint, or set "
+                    "checkpoint.on_damaged=fallback to do so automatically."
+                ) from None
+            warn(f"checkpoint {where} is damaged ({reason}); falling back to the previous one")
+            return None
+        return Restored(step=step, state=restored[STATE], meta=restored[META])
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move damaged steps out of the manager's sight (kept for inspection, never deleted),
+        so the resumed run can save those step numbers again."""
+        if jax.process_index() == 0:
+            aside = self.directory.parent / "damaged_checkpoints"
+            aside.mkdir(parents=True, exist_ok=True)
+            for step in steps:
+                target = aside / f"{step}-{int(time.time())}"
+                (self.directory / str(step)).rename(target)
+                log.warning("moved damaged checkpoint %s to %s", step, target)
+        ocp.multihost.sync_global_processes("runner_set_aside_damaged")
+        self.manager.reload()
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) describing `tree`, for restoring into its layout."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

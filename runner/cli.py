@@ -1,0 +1,123 @@
+"""Command line: compose conf/ -> ExecutionSpec -> distributed init -> job class -> run.
+
+User mistakes (bad overrides, invalid values, missing data) end in one clear paragraph and
+exit code 2, without a traceback. A run stopped by SIGTERM/SIGINT saves and exits 75.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+from runner.errors import USAGE_EXIT_CODE, UserError
+
+CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
+CONFIG_NAME = "config"
+# Hydra flags that do not start a run (or start many): the overrides are checked by Hydra itself.
+_HYDRA_FLAGS = ("-m", "--multirun", "-c", "--cfg", "-h", "--help", "--hydra-help", "-i", "--info",
+                "--version", "-sc", "--shell-completion", "-p", "--package", "--resolve")
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:
+        pass
+
+
+def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
+    """Print one paragraph to stderr and exit."""
+    text = " ".join(message.split())
+    print("error: " + textwrap.fill(text, width=100, subsequent_indent="  "), file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _composition_error(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    message = " ".join(lines)
+    return (f"The command-line configuration is invalid: {message}. Fix: check the key and value; "
+            "`python -m runner --cfg job` prints every key with its current value.")
+
+
+def precheck(overrides: Sequence[str]) -> Any:
+    """Compose the config once up front so Hydra's own errors (unknown keys, wrong types, unknown
+    group options) become exit-code-2 messages instead of Hydra's exit code 1."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            return compose(CONFIG_NAME, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        fail(_composition_error(err))
+
+
+def write_resolved_spec(spec: Any) -> None:
+    import jax
+    from omegaconf import OmegaConf
+
+    if jax.process_index() != 0:
+        return
+    run_dir = Path(spec.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "spec.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
+    os.replace(tmp, run_dir / "spec.yaml")
+
+
+def execute(spec: Any) -> None:
+    """Run one validated spec in this process."""
+    from runner import distributed
+
+    distributed.maybe_initialize(spec.distributed)  # before any other JAX use
+    from runner.job import JOBS
+    from runner.trainer import PREEMPTED_EXIT_CODE, Preempted
+
+    if spec.mode != "train":
+        raise UserError(f"mode={spec.mode} is not available yet in this version of runner. "
+                        "Fix: use mode=train (the default).")
+    job_class = JOBS.get(spec.job.trainer)
+    job = job_class(spec)
+    write_resolved_spec(spec)
+    try:
+        job.run()
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def task(cfg: Any) -> None:
+    """Hydra's task function: one run (or one sweep member)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.spec import build_spec
+
+    overrides = list(HydraConfig.get().overrides.task)
+    try:
+        execute(build_spec(cfg, overrides))
+    except UserError as err:
+        fail(str(err), err.exit_code)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_libraries()
+    import hydra
+
+    from runner.job import load_job_modules
+    from runner.spec import register_schema
+
+    register_schema()
+    load_job_modules()
+    if not any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in argv):
+        precheck(argv)
+    sys.argv = [sys.argv[0], *argv]
+    hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base=None)(task)()

@@ -1,0 +1,59 @@
+"""jax.distributed, initialized once per process and only when the run spans several.
+
+Where the settings come from, first match wins: the `distributed.*` keys of the spec; the
+standard JAX variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); and
+JAX's own cluster auto-detection on Cloud TPU pods and SLURM allocations. A process that dies
+is noticed by the others through the coordinator's heartbeats: they exit non-zero within
+HEARTBEAT_TIMEOUT_S instead of waiting forever at a collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+from runner.spec import DistributedSpec
+
+HEARTBEAT_TIMEOUT_S = 60
+INIT_TIMEOUT_S = 300
+
+_initialized = False
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def settings(spec: DistributedSpec) -> tuple[str | None, int | None, int | None, bool]:
+    """(coordinator, num_processes, process_id, auto_detect) for this process; pure."""
+    coordinator = spec.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num = spec.num_processes if spec.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    pid = spec.process_id if spec.process_id is not None else _env_int("JAX_PROCESS_ID")
+    on_slurm = (_env_int("SLURM_NTASKS") or 1) > 1 and "SLURM_JOB_ID" in os.environ
+    tpu_hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    auto = coordinator is None and (on_slurm or len(tpu_hosts) > 1)
+    return coordinator, num, pid, auto
+
+
+def spans_several_processes(spec: DistributedSpec) -> bool:
+    coordinator, num, _, auto = settings(spec)
+    return auto or (coordinator is not None and (num or 1) > 1)
+
+
+def maybe_initialize(spec: DistributedSpec) -> None:
+    """Initialize jax.distributed exactly once, before any other JAX use, if needed."""
+    global _initialized
+    if _initialized or not spans_several_processes(spec):
+        return
+    import jax
+
+    coordinator, num, pid, auto = settings(spec)
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        # CPU processes need a cross-process collectives backend.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = dict(initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+    if auto:
+        jax.distributed.initialize(**kwargs)
+    else:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num, process_id=pid, **kwargs)
+    _initialized = True

@@ -1,0 +1,128 @@
+"""The device mesh: three named axes, sized from config, laid out for the interconnect.
+
+``data`` is plain data parallelism (it is the axis split across slices, since only gradient
+all-reduces should cross the slow data-centre network), ``fsdp`` shards parameters and
+optimizer state as well as the batch, and ``tensor`` shards within layers.
+
+Meshes use ``AxisType.Auto`` on every axis. ``jax.make_mesh`` (JAX 0.10) defaults to
+``Explicit`` axes, which changes tracing semantics (shardings become part of array types and
+ops can demand explicit resharding), while ``jax.sharding.Mesh`` defaults to ``Auto``. We
+want classic GSPMD behaviour driven by ``in_shardings``/``out_shardings`` and
+``NamedSharding``, whichever constructor is used, so the type is always passed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from runner.errors import ConfigError, UserError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+
+
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> dict[str, int]:
+    """Fills in at most one ``-1`` axis and checks the sizes multiply to the device count."""
+    shape = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    fix_all = (
+        f"give sizes whose product is {num_devices} (the device count), or set one axis to -1 to"
+        f" take the remaining devices, e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1."
+    )
+    for axis, size in shape.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise ConfigError("mesh", shape, f"mesh.{axis}={size!r} is not an integer.", fix_all)
+        if size == 0 or size < -1:
+            raise ConfigError("mesh", shape, f"mesh.{axis}={size} must be >= 1 or -1.", fix_all)
+    free = [axis for axis, size in shape.items() if size == -1]
+    if len(free) > 1:
+        raise ConfigError(
+            "mesh", shape, f"{' and '.join(f'mesh.{a}' for a in free)} are both -1; at most one axis may be.",
+            f"set all but one of them to a size; {fix_all}",
+        )
+    fixed = math.prod(size for size in shape.values() if size != -1)
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                "mesh", shape,
+                f"the fixed axes multiply to {fixed}, which does not divide the {num_devices} devices,"
+                f" so mesh.{free[0]}=-1 has no whole size.",
+                fix_all,
+            )
+        shape[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            "mesh", shape, f"the axes multiply to {fixed} but there are {num_devices} devices.", fix_all
+        )
+    return {axis: int(size) for axis, size in shape.items()}
+
+
+def _slices(devices: Sequence[Any], num_slices: int) -> list[list[Any]]:
+    """Groups devices by slice: ``slice_index`` on TPU, else process, else contiguous chunks.
+
+    The fallbacks let multi-slice meshes be built (and tested) on CPU and GPU devices, which
+    carry no ``slice_index``.
+    """
+    for attr in ("slice_index", "process_index"):
+        if all(hasattr(d, attr) for d in devices):
+            groups: dict[int, list[Any]] = defaultdict(list)
+            for d in devices:
+                groups[getattr(d, attr)].append(d)
+            if len(groups) == num_slices or attr == "slice_index":
+                return [groups[k] for k in sorted(groups)]
+    per = len(devices) // num_slices
+    return [list(devices[i * per:(i + 1) * per]) for i in range(num_slices)]
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_slices: int = 1) -> Mesh:
+    """Builds a topology-aware ``Mesh`` over ``MESH_AXES``; with slices, ``data`` spans them."""
+    if set(shape) != set(MESH_AXES):
+        raise ConfigError("mesh", shape, f"the mesh needs exactly the axes {MESH_AXES}.",
+                          "give mesh.data, mesh.fsdp and mesh.tensor (use resolve_mesh_shape).")
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = tuple(int(shape[a]) for a in MESH_AXES)
+    if math.prod(sizes) != len(devices):
+        raise ConfigError("mesh", shape, f"the axes multiply to {math.prod(sizes)} but there are"
+                          f" {len(devices)} devices.", "resize the axes (one may be -1 to fill).")
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if num_slices == 1:
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+    if num_slices < 1 or shape["data"] % num_slices:
+        raise ConfigError(
+            "mesh", shape,
+            f"with {num_slices} slices the data axis is split across them, so mesh.data must be a"
+            " multiple of the slice count.",
+            f"set mesh.data to a multiple of {num_slices} (fsdp and tensor stay inside a slice).",
+        )
+    ici = (shape["data"] // num_slices, shape["fsdp"], shape["tensor"])
+    dcn = (num_slices, 1, 1)
+    if all(hasattr(d, "slice_index") for d in devices):
+        groups = _slices(devices, num_slices)
+        if len(groups) != num_slices:
+            raise UserError(
+                f"The mesh asks for {num_slices} slices but the devices span {len(groups)}. Fix: name"
+                f" the topology you are running on (e.g. topology={len(groups)}x<slice>) or topology=auto."
+            )
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    else:
+        # No slice_index (CPU/GPU): build each group's mesh and stack them along `data`,
+        # which is what create_hybrid_device_mesh does for a (num_slices, 1, 1) DCN shape.
+        groups = _slices(devices, num_slices)
+        grid = np.concatenate([mesh_utils.create_device_mesh(ici, g) for g in groups], axis=0)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension split over data and fsdp; everything else replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def microbatch_sharding(mesh: Mesh) -> NamedSharding:
+    """For (steps, batch, seq) arrays fed to a gradient-accumulation scan: split the batch."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, None))

@@ -1,0 +1,162 @@
+"""Where metrics go: a live progress line, metrics.jsonl and wandb. Process 0 only.
+
+Every method is a no-op on the other processes, so the training loop calls them everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+from rich.console import Console
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _format_rate(tokens_per_s: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.1f}{unit}"
+    return f"{tokens_per_s:.0f}"
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop records of steps after `last_step`: they belong to an interrupted launch and will be
+    recomputed (identically) by the resumed one, so each step appears once."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class Progress:
+    """One live line (step, loss, tokens/s, ETA) in a terminal; plain log lines elsewhere."""
+
+    def __init__(self, style: str, total_steps: int, log_every: int) -> None:
+        if style == "auto":
+            style = "rich" if sys.stdout.isatty() else "plain"
+        self.style = style
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self.console = Console(highlight=False, soft_wrap=True)
+        self._status = None
+        if style == "rich":
+            self._status = self.console.status("starting", spinner="dots")
+            self._status.start()
+
+    def line(self, step: int, metrics: Mapping[str, float], eta_s: float) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        if "loss" in metrics:
+            parts.append(f"loss {metrics['loss']:.4f}")
+        if "tokens_per_s" in metrics:
+            parts.append(f"{_format_rate(metrics['tokens_per_s'])} tok/s")
+        parts.append(f"ETA {_format_duration(eta_s)}")
+        return " | ".join(parts)
+
+    def update(self, step: int, metrics: Mapping[str, float], eta_s: float) -> None:
+        if self.style == "rich" and self._status is not None:
+            self._status.update(self.line(step, metrics, eta_s))
+        elif self.style == "plain" and (step % self.log_every == 0 or step == self.total_steps):
+            self.console.print(self.line(step, metrics, eta_s))
+
+    def message(self, text: str) -> None:
+        if self.style != "none":
+            self.console.print(text)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl and wandb, and drives the progress line; process 0 only."""
+
+    def __init__(self, run_dir: Path, *, progress: str, total_steps: int, log_every: int,
+                 wandb_mode: str, wandb_project: str, wandb_entity: str | None,
+                 wandb_run_id: str | None, run_name: str, config: Mapping[str, Any]) -> None:
+        self.active = jax.process_index() == 0
+        self.path = run_dir / METRICS_FILE
+        self.progress = Progress(progress if self.active else "none", total_steps, log_every)
+        self.wandb_run = None
+        self.wandb_run_id = wandb_run_id
+        if self.active and wandb_mode != "disabled":
+            self.wandb_run = self._start_wandb(run_dir, wandb_mode, wandb_project, wandb_entity,
+                                               wandb_run_id, run_name, config)
+            self.wandb_run_id = self.wandb_run.id
+        self._file = open(self.path, "a") if self.active else None
+
+    @staticmethod
+    def _start_wandb(run_dir: Path, mode: str, project: str, entity: str | None, run_id: str | None,
+                     name: str, config: Mapping[str, Any]) -> Any:
+        import wandb
+
+        return wandb.init(
+            project=project, entity=entity, id=run_id, resume="allow", name=name, mode=mode,
+            dir=str(run_dir), config=dict(config),
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.active:
+            return
+        record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v)
+                                   for k, v in metrics.items()}}
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+class Timer:
+    """Throughput and ETA from wall time between reads, excluding the first (compiling) step."""
+
+    def __init__(self, start_step: int, total_steps: int) -> None:
+        self.total_steps = total_steps
+        self.t0: float | None = None
+        self.step0 = start_step
+        self.last_t = time.perf_counter()
+
+    def tick(self, step: int) -> tuple[float, float]:
+        """Returns (seconds for this step, ETA seconds)."""
+        now = time.perf_counter()
+        dt, self.last_t = now - self.last_t, now
+        if self.t0 is None:  # first step includes compilation
+            self.t0, self.step0 = now, step
+            return dt, float("inf")
+        rate = (now - self.t0) / max(step - self.step0, 1)
+        return dt, rate * (self.total_steps - step)

@@ -1,0 +1,302 @@
+"""GPT-2 style decoder-only transformer (flax.linen) with logical sharding axes.
+
+Every parameter carries logical axis names (``nn.with_logical_partitioning``)
+and the residual stream carries ``nn.with_logical_constraint`` annotations, so
+the same module runs unsharded on one device or sharded under a mesh: bind the
+names with ``nn.logical_axis_rules(LOGICAL_AXIS_RULES)`` and make the mesh
+current with ``jax.set_mesh(mesh)``.  Constraints are no-ops when either is
+missing (flax checks ``jax.sharding.get_abstract_mesh()``, which the
+deprecated ``with mesh:`` does not set).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+# Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
+# matters: flax assigns rules first-come and never reuses a mesh axis within one
+# array, so "batch" claims "fsdp" before "embed" does on activations, while
+# weights (which have no batch axis) are FSDP-sharded along "embed".
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("vocab", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("layers", None),
+)
+
+_COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "full": None,  # save nothing: recompute the whole block on the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model hyperparameters; ``d_ff == 0`` means the GPT-2 default ``4 * d_model``."""
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int = 0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    use_bias: bool = True
+    scan_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_ff == 0:
+            # Frozen dataclass: resolve the default once so every consumer
+            # (model, param_count, flops_per_token) sees the same value.
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        if self.compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}")
+        if self.remat not in ("none", *_REMAT_POLICIES):
+            raise ValueError(f"remat must be 'none', 'full' or 'dots', got {self.remat!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def dtype(self) -> Any:
+        return _COMPUTE_DTYPES[self.compute_dtype]
+
+
+def _init(std: float, names: tuple[str | None, ...]) -> Callable[..., Any]:
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), names)
+
+
+def _zeros(names: tuple[str | None, ...]) -> Callable[..., Any]:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=1e-5,
+        dtype=cfg.dtype,
+        use_bias=cfg.use_bias,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+        bias_init=_zeros(("embed",)),
+        name=name,
+    )
+
+
+def _residual_std(cfg: GPTConfig) -> float:
+    # GPT-2: projections that write into the residual stream are scaled down so
+    # the stream's variance does not grow with depth.
+    return 0.02 / math.sqrt(2 * cfg.n_layers)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention via ``jax.nn.dot_product_attention``.
+
+    Projections are ``nn.Einsum`` rather than ``nn.DenseGeneral``: DenseGeneral
+    initialises a flattened 2-D kernel and, under a mesh, flax constrains that
+    flat array with the 3-D logical spec and fails (flax 0.12.8).  There is no
+    attention-probability dropout: the fused op has none; residual dropout after
+    the output projection is kept.
+    """
+
+    cfg: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        def proj(name: str) -> jax.Array:
+            y = nn.Einsum(
+                (cfg.d_model, cfg.n_heads, cfg.head_dim),
+                "btd,dnh->btnh",
+                use_bias=cfg.use_bias,
+                dtype=cfg.dtype,
+                kernel_init=_init(0.02, ("embed", "heads", "kv")),
+                bias_init=_zeros(("heads", "kv")),
+                name=name,
+            )(x)
+            return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+
+        q, k, v = proj("query"), proj("key"), proj("value")
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        y = nn.Einsum(
+            (cfg.n_heads, cfg.head_dim, cfg.d_model),
+            "btnh,nhd->btd",
+            use_bias=cfg.use_bias,
+            dtype=cfg.dtype,
+            kernel_init=_init(_residual_std(cfg), ("heads", "kv", "embed")),
+            bias_init=_zeros(("embed",)),
+            name="out",
+        )(y)
+        return nn.Dropout(cfg.dropout, deterministic=self.deterministic)(y)
+
+
+class MLP(nn.Module):
+    """Position-wise GELU feed-forward block."""
+
+    cfg: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        h = nn.Dense(
+            cfg.d_ff,
+            use_bias=cfg.use_bias,
+            dtype=cfg.dtype,
+            kernel_init=_init(0.02, ("embed", "mlp")),
+            bias_init=_zeros(("mlp",)),
+            name="fc",
+        )(x)
+        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+        y = nn.Dense(
+            cfg.d_model,
+            use_bias=cfg.use_bias,
+            dtype=cfg.dtype,
+            kernel_init=_init(_residual_std(cfg), ("mlp", "embed")),
+            bias_init=_zeros(("embed",)),
+            name="proj",
+        )(h)
+        return nn.Dropout(cfg.dropout, deterministic=self.deterministic)(y)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``(carry, _) -> (carry, None)`` to fit ``nn.scan``."""
+
+    cfg: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        cfg = self.cfg
+        x = x + CausalSelfAttention(cfg, self.deterministic, name="attn")(_layer_norm(cfg, "ln_1")(x))
+        x = x + MLP(cfg, self.deterministic, name="mlp")(_layer_norm(cfg, "ln_2")(x))
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
+
+
+class GPT(nn.Module):
+    """GPT-2 language model: ``int32[B, T] -> float32[B, T, vocab]`` logits."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        cfg = self.cfg
+        _, seq_len = tokens.shape
+        if seq_len > cfg.context_length:
+            raise ValueError(f"sequence length {seq_len} exceeds context_length {cfg.context_length}")
+
+        wte = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=cfg.dtype,
+            embedding_init=_init(0.02, ("vocab", "embed")),
+            name="wte",
+        )
+        wpe = nn.Embed(
+            cfg.context_length,
+            cfg.d_model,
+            dtype=cfg.dtype,
+            embedding_init=_init(0.02, (None, "embed")),
+            name="wpe",
+        )
+        x = wte(tokens) + wpe(jnp.arange(seq_len))[None]
+        x = nn.Dropout(cfg.dropout, deterministic=deterministic)(x)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+        block: type[Block] = Block
+        if cfg.remat != "none":
+            # Under scan the loop boundary already stops XLA from CSE-ing the
+            # recomputation away, so prevent_cse would only cost performance.
+            block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICIES[cfg.remat])
+        if cfg.scan_layers:
+            # One compiled block, parameters stacked on a leading "layers" axis.
+            x, _ = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, deterministic, name="blocks")(x, None)
+        else:
+            for i in range(cfg.n_layers):
+                x, _ = block(cfg, deterministic, name=f"block_{i}")(x, None)
+
+        x = _layer_norm(cfg, "ln_f")(x)
+        if cfg.tie_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = nn.Dense(
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=cfg.dtype,
+                kernel_init=_init(0.02, ("embed", "vocab")),
+                name="lm_head",
+            )(x)
+        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        return logits.astype(jnp.float32)
+
+
+def param_count(cfg: GPTConfig, include_embeddings: bool = True) -> int:
+    """Exact parameter count, without building the model.
+
+    ``include_embeddings=False`` drops the token and position tables (Kaplan et
+    al.'s "non-embedding" N); an untied LM head is a projection and is kept.
+    """
+    d, f, bias = cfg.d_model, cfg.d_ff, int(cfg.use_bias)
+    layer_norm = d * (1 + bias)
+    attn = 4 * d * d + bias * 4 * d
+    mlp = 2 * d * f + bias * (f + d)
+    total = cfg.n_layers * (2 * layer_norm + attn + mlp) + layer_norm
+    if not cfg.tie_embeddings:
+        total += d * cfg.vocab_size
+    if include_embeddings:
+        total += (cfg.vocab_size + cfg.context_length) * d
+    return total
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM/Chinchilla style.
+
+        6 * (n_layers * (4 * d_model**2 + 2 * d_model * d_ff) + d_model * vocab)
+          + 12 * n_layers * d_model * seq_len
+
+    The first term is 2 FLOPs per multiply-accumulate times 3 (backward costs
+    twice the forward) over every matmul weight: QKV + output projection, the
+    MLP, and the LM head (counted even when tied, since the matmul is still
+    done).  The second term is attention's ``QK^T`` and ``AV`` products,
+    ``seq_len * d_model`` MACs each per token per layer, counted over the full
+    (not causally halved) score matrix.  Biases, norms, softmax and embedding
+    lookups are ignored.
+    """
+    d = cfg.d_model
+    matmul_params = cfg.n_layers * (4 * d * d + 2 * d * cfg.d_ff) + d * cfg.vocab_size
+    return float(6 * matmul_params + 12 * cfg.n_layers * d * seq_len)
+
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "LOGICAL_AXIS_RULES",
+    "flops_per_token",
+    "param_count",
+]
+

@@ -1,0 +1,382 @@
+"""The ExecutionSpec: everything a run depends on, typed, validated and immutable.
+
+The same frozen dataclasses are the Hydra schema (registered in the ConfigStore, so unknown
+keys and wrong types are rejected at composition) and the spec handed to the job. Building a
+spec is pure: no device queries, no distributed init, no files written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from runner.errors import ConfigError
+
+MODES = ("train", "eval", "compile")
+WANDB_MODES = ("offline", "online", "disabled")
+PROGRESS_STYLES = ("auto", "rich", "plain", "none")
+ON_DAMAGED = ("fallback", "stop")
+
+# Overrides that may change between launches of the same run, so they do not name its directory.
+NON_IDENTIFYING_KEYS = (
+    "job", "mode", "topology", "mesh", "run", "train.steps", "train.log_every",
+    "train.accumulate_steps", "eval", "checkpoint", "logging", "distributed", "hydra",
+)
+
+
+def _freeze(value: Any) -> Any:
+    """Lists from OmegaConf become tuples so the spec is hashable and immutable."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+class _Frozen:
+    """Turns list fields into tuples after construction (frozen dataclasses need setattr)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, _freeze(value))
+
+
+@dataclass(frozen=True)
+class ModelSpec(_Frozen):
+    vocab_size: int = 320
+    context_length: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 0  # 0: 4 * d_model
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    compute_dtype: str = "float32"  # float32 | bfloat16 (parameters stay float32)
+    remat: str = "none"  # none | full | dots
+    use_bias: bool = True
+    scan_layers: bool = True
+
+
+@dataclass(frozen=True)
+class JobSpec(_Frozen):
+    name: str = "gpt_tiny"  # the conf/job/*.yaml that was chosen
+    trainer: str = "gpt"  # registered job class, or an import path `pkg.module:Class`
+    model: ModelSpec = field(default_factory=ModelSpec)
+
+
+@dataclass(frozen=True)
+class MeshSpec(_Frozen):
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class SourceSpec(_Frozen):
+    name: str = ""
+    path: str = "default"  # "default": the embedded corpus, prepared once into the cache
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataSpec(_Frozen):
+    strategy: str = "mixture"  # mixture | synthetic | import path
+    sources: tuple[SourceSpec, ...] = (SourceSpec(),)
+    prefetch: int = 2
+    num_threads: int = 2
+
+
+@dataclass(frozen=True)
+class OptimizerSpec(_Frozen):
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9
+    nesterov: bool = False
+    clip_norm: Optional[float] = 1.0
+
+
+@dataclass(frozen=True)
+class ScheduleSpec(_Frozen):
+    name: str = "cosine"
+    warmup_steps: int = 50
+    final_lr_fraction: float = 0.1  # final learning rate as a fraction of optimizer.lr
+    decay_fraction: float = 0.2  # wsd only: share of the steps spent decaying
+
+
+@dataclass(frozen=True)
+class TrainSpec(_Frozen):
+    steps: int = 300
+    batch_size: int = 32  # global, in sequences, per optimizer step
+    accumulate_steps: int = 1  # micro-batches per step
+    seq_len: int = 128
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class EvalSpec(_Frozen):
+    every: int = 100  # steps; 0 evaluates only at the end
+    batch_size: int = 32
+    rows: int = 64  # validation windows per source, the same ones every time
+    evaluators: tuple[str, ...] = ("heldout",)  # registered names or import paths
+
+
+@dataclass(frozen=True)
+class CheckpointSpec(_Frozen):
+    every_steps: int = 100  # 0: no step-based saves
+    every_minutes: float = 0.0  # 0: no time-based saves
+    keep: int = 3  # newest K are kept
+    keep_every: int = 0  # and every P-th step permanently (0: none)
+    async_save: bool = True
+    on_damaged: str = "fallback"  # fallback to the previous complete checkpoint, or stop
+
+
+@dataclass(frozen=True)
+class LoggingSpec(_Frozen):
+    wandb: str = "offline"  # offline | online | disabled
+    project: str = "runner"
+    entity: Optional[str] = None
+    progress: str = "auto"  # auto | rich | plain | none
+
+
+@dataclass(frozen=True)
+class DistributedSpec(_Frozen):
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class RunSpec(_Frozen):
+    root: str = "runs"
+    dir: str = ""  # empty: derived from the job and the overrides
+
+
+@dataclass(frozen=True)
+class ExecutionSpec(_Frozen):
+    """The whole run, as one immutable value; saved with every checkpoint."""
+
+    job: JobSpec = field(default_factory=JobSpec)
+    topology: str = "auto"
+    mode: str = "train"
+    seed: int = 0
+    mesh: MeshSpec = field(default_factory=MeshSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    logging: LoggingSpec = field(default_factory=LoggingSpec)
+    distributed: DistributedSpec = field(default_factory=DistributedSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def schema_node() -> DictConfig:
+    """The spec as a Hydra schema. OmegaConf marks frozen dataclasses read-only; Hydra must
+    merge overrides into it, so the flags are cleared while the types stay enforced."""
+
+    node = OmegaConf.structured(ExecutionSpec)
+
+    def thaw(n: Any) -> None:
+        n._set_flag("readonly", None)
+        if isinstance(n, DictConfig):
+            for key in n.keys():
+                thaw(n._get_node(key))
+        elif isinstance(n, ListConfig):
+            for i in range(len(n)):
+                thaw(n._get_node(i))
+
+    thaw(node)
+    return node
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="execution_spec", node=schema_node())
+
+
+# ----------------------------------------------------------------------------- run directory
+
+
+def _identifies_run(override: str) -> bool:
+    key = override.lstrip("+~").split("=", 1)[0]
+    return not any(key == k or key.startswith(k + ".") or key.startswith(k + "/")
+                   for k in NON_IDENTIFYING_KEYS)
+
+
+def derive_run_dir(root: str, job_name: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """A deterministic directory for a job and its overrides (no timestamps), so the same
+    command finds the same run again. Settings that may change on resume are left out."""
+
+    kept = sorted(o for o in overrides if _identifies_run(o))
+    if not kept:
+        return f"{root}/{job_name}/default"
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(kept))
+    if len(name) > 120:
+        digest = hashlib.sha256(",".join(kept).encode()).hexdigest()[:12]
+        name = f"{name[:100]}-{digest}"
+    return f"{root}/{job_name}/{name}"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(key, value, f"it must be {bound}.", f"set `{key}` to a value {bound}.")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, "it is not a known choice.", f"use one of: {', '.join(allowed)}.")
+
+
+def validate(spec: ExecutionSpec) -> None:
+    """Reject every bad value before any device work. Raises ConfigError."""
+
+    from runner.data.strategies import DATASET_STRATEGIES
+    from runner.job import JOBS
+    from runner.mesh import resolve_mesh_shape
+    from runner.optim import OPTIMIZERS, OptimizerSettings, build_optimizer, build_schedule
+    from runner.topology import parse_topology
+
+    _one_of("mode", spec.mode, MODES)
+    JOBS.get(spec.job.trainer)
+    topology = parse_topology(spec.topology)
+
+    m = spec.job.model
+    for key in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+        _positive(f"job.model.{key}", getattr(m, key))
+    _positive("job.model.d_ff", m.d_ff, allow_zero=True)
+    if m.d_model % m.n_heads:
+        raise ConfigError("job.model.n_heads", m.n_heads, f"it does not divide d_model={m.d_model}.",
+                          "choose n_heads so that d_model / n_heads is a whole number.")
+    _one_of("job.model.compute_dtype", m.compute_dtype, ("float32", "bfloat16"))
+    _one_of("job.model.remat", m.remat, ("none", "full", "dots"))
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("job.model.dropout", m.dropout, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")
+
+    t = spec.train
+    _positive("train.steps", t.steps)
+    _positive("train.batch_size", t.batch_size)
+    _positive("train.accumulate_steps", t.accumulate_steps)
+    _positive("train.seq_len", t.seq_len)
+    _positive("train.log_every", t.log_every)
+    if t.seq_len > m.context_length:
+        raise ConfigError("train.seq_len", t.seq_len,
+                          f"it is longer than the model's context (job.model.context_length={m.context_length}).",
+                          f"use train.seq_len <= {m.context_length} or raise job.model.context_length.")
+    if t.batch_size % t.accumulate_steps:
+        raise ConfigError("train.batch_size", t.batch_size,
+                          f"it is not divisible by train.accumulate_steps={t.accumulate_steps}.",
+                          "choose a batch size that is a multiple of the number of micro-batches.")
+
+    for key in ("data", "fsdp", "tensor"):
+        value = getattr(spec.mesh, key)
+        if value == 0 or value < -1:
+            raise ConfigError(f"mesh.{key}", value, "mesh sizes are positive, or -1 for 'the rest'.",
+                              f"set mesh.{key} to a positive size or -1.")
+    if topology.num_devices:
+        shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, topology.num_devices)
+        batch_ways = shape["data"] * shape["fsdp"]
+        micro = t.batch_size // t.accumulate_steps
+        if micro % batch_ways:
+            raise ConfigError("train.batch_size", t.batch_size,
+                              f"each micro-batch ({micro} sequences) must split evenly over the mesh's "
+                              f"data x fsdp = {batch_ways} ways on topology {spec.topology}.",
+                              f"use a batch size whose micro-batch is a multiple of {batch_ways}.")
+        if spec.eval.batch_size % batch_ways:
+            raise ConfigError("eval.batch_size", spec.eval.batch_size,
+                              f"it must split evenly over the mesh's data x fsdp = {batch_ways} ways.",
+                              f"use a multiple of {batch_ways}.")
+
+    DATASET_STRATEGIES.get(spec.data.strategy)
+    if not spec.data.sources and spec.data.strategy == "mixture":
+        raise ConfigError("data.sources", [], "a mixture needs at least one source.",
+                          "list sources, e.g. data.sources=[{path: default}].")
+    _positive("data.prefetch", spec.data.prefetch, allow_zero=True)
+    _positive("data.num_threads", spec.data.num_threads)
+
+    o = spec.optimizer
+    _positive("optimizer.lr", o.lr)
+    if not isinstance(o.name, str) or o.name not in OPTIMIZERS and not OPTIMIZERS.is_import_path(o.name):
+        OPTIMIZERS.get(o.name)
+    s = spec.schedule
+    _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
+    if not 0.0 <= s.final_lr_fraction <= 1.0:
+        raise ConfigError("schedule.final_lr_fraction", s.final_lr_fraction, "it must be in [0, 1].",
+                          "use e.g. 0.1 to end at a tenth of the peak learning rate.")
+    schedule = build_schedule(s.name, o.lr, t.steps, min(s.warmup_steps, t.steps),
+                              o.lr * s.final_lr_fraction, schedule_extra(spec))
+    build_optimizer(o.name, schedule, optimizer_settings(spec), o.clip_norm)
+
+    _positive("eval.every", spec.eval.every, allow_zero=True)
+    _positive("eval.batch_size", spec.eval.batch_size)
+    _positive("eval.rows", spec.eval.rows)
+    from runner.evaluation import EVALUATORS
+
+    for name in spec.eval.evaluators:
+        EVALUATORS.get(name)
+
+    c = spec.checkpoint
+    _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
+    _positive("checkpoint.every_minutes", c.every_minutes, allow_zero=True)
+    _positive("checkpoint.keep", c.keep)
+    _positive("checkpoint.keep_every", c.keep_every, allow_zero=True)
+    _one_of("checkpoint.on_damaged", c.on_damaged, ON_DAMAGED)
+
+    _one_of("logging.wandb", spec.logging.wandb, WANDB_MODES)
+    _one_of("logging.progress", spec.logging.progress, PROGRESS_STYLES)
+    d = spec.distributed
+    if d.num_processes is not None:
+        _positive("distributed.num_processes", d.num_processes)
+    if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:
+        raise ConfigError("distributed.process_id", d.process_id,
+                          f"it must be in [0, distributed.num_processes={d.num_processes}).",
+                          "number the processes 0, 1, ..., N-1.")
+
+
+def schedule_extra(spec: ExecutionSpec) -> dict[str, Any]:
+    """Schedule settings that only some schedules take."""
+    return {"decay_fraction": spec.schedule.decay_fraction} if spec.schedule.name == "wsd" else {}
+
+
+def optimizer_settings(spec: ExecutionSpec) -> Any:
+    from runner.optim import OptimizerSettings
+
+    o = spec.optimizer
+    return OptimizerSettings(weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                             momentum=o.momentum, nesterov=o.nesterov)
+
+
+def build_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = ()) -> ExecutionSpec:
+    """Composed config -> validated, frozen ExecutionSpec with its run directory filled in."""
+
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.merge(schema_node(), cfg)
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    spec: ExecutionSpec = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    if not spec.run.dir:
+        run_dir = derive_run_dir(spec.run.root, spec.job.name, list(overrides))
+        spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, dir=run_dir))
+    validate(spec)
+    return spec
+
+
+def spec_from_dict(data: dict[str, Any]) -> ExecutionSpec:
+    """Rebuild a spec saved with a checkpoint (no validation: it was valid when saved)."""
+    return OmegaConf.to_object(OmegaConf.merge(schema_node(), data))  # type: ignore[return-value]

@@ -1,0 +1,497 @@
+"""BaseTrainer: the generic pretrainer for GPT-style models (the theseus BaseTrainer API).
+
+A job subclasses it and says how to build its model config and model; everything else (mesh,
+sharded init, data, optimizer, the step loop, evaluation, checkpoints, metrics) lives here.
+
+Hot-loop rules: no host synchronisation per step (each step's metrics are read after the next
+step has been dispatched), the state buffers are donated, the next batch is placed on the
+devices while the current step runs, and checkpoint saves are asynchronous.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Generic, Iterator, Mapping, Optional, Sequence, Tuple, TypeVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+from runner import checkpoint as ckpt
+from runner.data.loader import BatchLoader
+from runner.data.strategies import DatasetStrategy, build_strategy
+from runner.errors import UserError
+from runner.evaluation.base import Evaluator, build_evaluators
+from runner.job import C, RestoreableJob
+from runner.mesh import make_mesh, microbatch_sharding, resolve_mesh_shape
+from runner.metrics import METRICS_FILE, MetricsLogger, Timer, truncate_jsonl
+from runner.optim import build_optimizer, build_schedule
+from runner.spec import ExecutionSpec, optimizer_settings, schedule_extra
+from runner.topology import check_devices, parse_topology
+
+M = TypeVar("M")  # the model type
+
+Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"}, each (S, B, T)
+
+# Exit code of a run that stopped on SIGTERM/SIGINT after saving: rerun the command to resume.
+PREEMPTED_EXIT_CODE = 75
+
+
+class TrainState(train_state.TrainState):
+    """Flax's TrainState plus the base PRNG key; the key for step s is fold_in(rng, s)."""
+
+    rng: jax.Array
+
+
+class Preempted(Exception):
+    """Raised after a preemption save completed; the CLI exits with PREEMPTED_EXIT_CODE."""
+
+
+class BaseTrainer(RestoreableJob[C], Generic[C, M]):
+    """Generic pretrainer: restores on start, trains on every host, evaluates, saves."""
+
+    logical_axis_rules: Sequence[tuple[str, Any]] = ()
+
+    def __init__(self, spec: ExecutionSpec) -> None:
+        super().__init__(spec)
+        assert spec.topology, "ExecutionSpec.topology is required"
+        self.topology = parse_topology(spec.topology)
+        check_devices(self.topology, jax.devices())
+        shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, jax.device_count())
+        self.mesh = make_mesh(shape, num_slices=max(self.topology.num_slices or 1, 1))
+        self.model_config: C = self.config_from_spec(spec)
+        self.model: M = self.build_model(self.model_config)
+        self.strategy: DatasetStrategy = build_strategy(spec.data.strategy, spec.data)
+        self.check_vocab()
+        self.lr_schedule = self._schedule()
+        self.tx = self._optimizer()
+        self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", spec.checkpoint)
+        self.state: Optional[TrainState] = None
+        self.state_sharding: Any = None
+        self.step = 0
+        self.restored_step: Optional[int] = None
+        self.meta: dict[str, Any] = {"best": {}, "wandb_run_id": None}
+        self.last_metrics: dict[str, float] = {}
+        self.last_eval: dict[str, float] = {}
+        self._last_saved_step: Optional[int] = None
+        self._stop_signal: Optional[int] = None
+        self._compiled: dict[str, Any] = {}
+
+    # ================================================================== job-specific parts
+
+    @classmethod
+    @abc.abstractmethod
+    def config_from_spec(cls, spec: ExecutionSpec) -> C:
+        """The model config this job trains, from the spec."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build_model(cls, config: C) -> M:
+        """The flax module for `config`."""
+
+    def init_args(self) -> tuple[Any, ...]:
+        """Example inputs for model.init."""
+        return (jnp.zeros((1, self.spec.train.seq_len), jnp.int32),)
+
+    def model_vocab_size(self) -> int:
+        return self.spec.job.model.vocab_size
+
+    def check_vocab(self) -> None:
+        if self.strategy.vocab_size > self.model_vocab_size():
+            raise UserError(
+                f"The data's vocabulary ({self.strategy.vocab_size} tokens, from data.strategy="
+                f"{self.spec.data.strategy}) is larger than the model's (job.model.vocab_size="
+                f"{self.model_vocab_size()}). Fix: raise job.model.vocab_size to at least "
+                f"{self.strategy.vocab_size}, or use data prepared with a smaller tokenizer."
+            )
+
+    # ================================================================== seed API
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.spec.train.steps
+
+    @staticmethod
+    def sharded_init(model: Any, key: jax.Array, *args: Any, mesh: jax.sharding.Mesh,
+                     rules: Sequence[tuple[str, Any]] = (), **kwargs: Any) -> Tuple[Any, Any]:
+        """Initialize parameters sharded across `mesh` from the start: eval_shape gives the
+        logical axes without materializing anything, then init is jitted with out_shardings
+        so every array is born on its devices. Returns (variables, var_sharding)."""
+        init = partial(model.init, **kwargs)
+        abstract = jax.eval_shape(init, key, *args)
+        sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            variables = jax.jit(lambda k, *a: nn.meta.unbox(init(k, *a)), out_shardings=sharding)(key, *args)
+        return variables, sharding
+
+    def evaluator(self) -> Optional[Evaluator[M] | Sequence[Evaluator[M]]]:
+        """What the job evaluates with (by default, what eval.evaluators configures)."""
+        return build_evaluators(self.spec)
+
+    @classmethod
+    def optimizer(cls) -> str | optax.GradientTransformation:
+        """A registered optimizer name, or an optax optimizer; by default the spec's choice."""
+        return ""
+
+    @classmethod
+    def schedule(cls) -> Optional[str | optax.Schedule]:
+        """A registered schedule name, an optax schedule, or None for a constant rate."""
+        return ""
+
+    def batch(self, slice: str = "train") -> Iterator[dict[str, np.ndarray]]:
+        """This process's rows of the batches for each step from the current one on."""
+        if slice != "train":
+            raise ValueError("validation batches come from the evaluators")
+        return BatchLoader(
+            self.strategy.train(self.spec.train.seq_len, self.spec.seed),
+            global_batch=self.spec.train.batch_size,
+            accumulate_steps=self.spec.train.accumulate_steps,
+            start_step=self.step,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            prefetch=self.spec.data.prefetch,
+            num_threads=self.spec.data.num_threads,
+        )
+
+    @classmethod
+    def token_loss(cls, state: TrainState, params: Any, micro: Mapping[str, jax.Array],
+                   key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(sum of per-token cross-entropy over real targets, number of real targets)."""
+        logits = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key})
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
+        mask = micro["mask"].astype(jnp.float32)
+        return jnp.sum(losses * mask), jnp.sum(mask)
+
+    @classmethod
+    def train_step(cls, state: TrainState, batch: Batch, key: jax.Array,
+                   accumulate_steps: int) -> Tuple[TrainState, jax.Array, Any]:
+        """Gradients over S micro-batches, weighted by target-token count (a padded token
+        counts for nothing), then one optimizer step. Returns (state, loss, meta)."""
+        grad_fn = jax.value_and_grad(lambda p, micro, k: cls.token_loss(state, p, micro, k), has_aux=True)
+
+        def accumulate(carry, inputs):
+            grads, loss_sum, count = carry
+            micro, k = inputs
+            (micro_loss, micro_count), micro_grads = grad_fn(state.params, micro, k)
+            grads = jax.tree.map(jnp.add, grads, micro_grads)
+            return (grads, loss_sum + micro_loss, count + micro_count), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        keys = jax.random.split(key, accumulate_steps)
+        (grads, loss_sum, count), _ = jax.lax.scan(
+            accumulate, (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), (batch, keys))
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        new_state = state.apply_gradients(grads=grads)
+        meta = {"grad_norm": optax.global_norm(grads), "tokens": count}
+        return new_state, loss, meta
+
+    @classmethod
+    def val_step(cls, state: TrainState, batch: Batch) -> Tuple[jax.Array, jax.Array, Any]:
+        """Summed validation loss over S micro-batches: (loss_sum, token_count, last_meta)."""
+
+        def one(carry, micro):
+            logits = state.apply_fn({"params": state.params}, micro["x"], deterministic=True)
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
+            mask = micro["mask"].astype(jnp.float32)
+            correct = (jnp.argmax(logits, -1) == micro["y"]).astype(jnp.float32) * mask
+            loss_sum, count = carry
+            return (loss_sum + jnp.sum(losses * mask), count + jnp.sum(mask)), {"correct": jnp.sum(correct)}
+
+        (loss_sum, count), metas = jax.lax.scan(one, (jnp.zeros(()), jnp.zeros(())), batch)
+        return loss_sum, count, jax.tree.map(lambda m: m[-1], metas)
+
+    # ================================================================== building blocks
+
+    def _schedule(self) -> optax.Schedule:
+        s, o, t = self.spec.schedule, self.spec.optimizer, self.spec.train
+        chosen = self.schedule()
+        if chosen is None:
+            return optax.constant_schedule(o.lr)
+        if callable(chosen):
+            return chosen
+        return build_schedule(chosen or s.name, o.lr, t.steps, min(s.warmup_steps, t.steps),
+                              o.lr * s.final_lr_fraction, schedule_extra(self.spec))
+
+    def _optimizer(self) -> optax.GradientTransformation:
+        chosen = self.optimizer() or self.spec.optimizer.name
+        return build_optimizer(chosen, self.lr_schedule, optimizer_settings(self.spec), self.spec.optimizer.clip_norm)
+
+    def _context(self):
+        """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
+        return stack
+
+    def _create_state(self, key: jax.Array) -> TrainState:
+        init_key, rng = jax.random.split(key)
+        variables = self.model.init(init_key, *self.init_args())  # type: ignore[attr-defined]
+        return TrainState.create(apply_fn=self.model.apply, params=variables["params"],  # type: ignore[attr-defined]
+                                 tx=self.tx, rng=rng)
+
+    def abstract_state(self) -> tuple[Any, Any]:
+        """(abstract unboxed state, its shardings), computed without touching a device."""
+        key = jax.random.PRNGKey(self.spec.seed)
+        boxed = jax.eval_shape(self._create_state, key)
+        sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), self.mesh, self.logical_axis_rules)
+        abstract = nn.meta.unbox(boxed)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding)
+        return abstract, sharding
+
+    def init_state(self) -> TrainState:
+        """A fresh state, every array created directly on its devices."""
+        key = jax.random.PRNGKey(self.spec.seed)
+        with self._context():
+            return jax.jit(lambda k: nn.meta.unbox(self._create_state(k)), out_shardings=self.state_sharding)(key)
+
+    @staticmethod
+    def state_tree(state: TrainState) -> dict[str, Any]:
+        return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
+
+    def model_shapes(self, abstract: TrainState) -> dict[str, list[int]]:
+        flat = jax.tree_util.tree_flatten_with_path(abstract.params)[0]
+        return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat}
+
+    def compiled_train_step(self) -> Any:
+        if "train" not in self._compiled:
+            batch_sharding = microbatch_sharding(self.mesh)
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            cls, s = type(self), self.spec.train.accumulate_steps
+
+            def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+                key = jax.random.fold_in(state.rng, state.step)
+                new_state, loss, meta = cls.train_step(state, batch, key, s)
+                lr = jnp.asarray(self.lr_schedule(state.step), jnp.float32)
+                return new_state, {"loss": loss, "lr": lr, **meta}
+
+            self._compiled["train"] = jax.jit(
+                step, donate_argnums=0,
+                in_shardings=(self.state_sharding, {k: batch_sharding for k in ("x", "y", "mask")}),
+                out_shardings=(self.state_sharding, replicated))
+        return self._compiled["train"]
+
+    def compiled_val_step(self) -> Any:
+        if "val" not in self._compiled:
+            batch_sharding = microbatch_sharding(self.mesh)
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            self._compiled["val"] = jax.jit(
+                type(self).val_step,
+                in_shardings=(self.state_sharding, {k: batch_sharding for k in ("x", "y", "mask")}),
+                out_shardings=replicated)
+        return self._compiled["val"]
+
+    def to_device(self, local: Mapping[str, np.ndarray]) -> Batch:
+        """Assemble global (S, B, T) arrays from this process's rows."""
+        sharding = microbatch_sharding(self.mesh)
+        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+
+    # ================================================================== restore / save
+
+    def load(self, suffix: Path | None = None) -> bool:
+        abstract, self.state_sharding = self.abstract_state()
+        self.meta["model_shapes"] = self.model_shapes(abstract)
+        latest = self.checkpointer.latest_step()
+        if latest is not None and latest >= self.spec.train.steps and self.spec.mode == "train":
+            self.step = self.restored_step = latest  # finished: nothing to restore
+            return True
+        restored = self.checkpointer.restore_latest(self.state_tree(abstract), self.spec.checkpoint.on_damaged,
+                                                    warn=self.warn)
+        if restored is None:
+            self.state = self.init_state()
+            self.step = 0
+            truncate_jsonl(self.run_dir / METRICS_FILE, 0)
+            return False
+        self.check_compatible(restored.meta)
+        self.state = abstract.replace(**restored.state)
+        self.step = self.restored_step = int(restored.step)
+        self.meta.update({k: restored.meta[k] for k in ("best", "wandb_run_id") if k in restored.meta})
+        truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
+        return True
+
+    def check_compatible(self, saved: Mapping[str, Any]) -> None:
+        """Refuse to resume a checkpoint of another model or other data."""
+        shapes = saved.get("model_shapes")
+        if shapes is not None and shapes != self.meta["model_shapes"]:
+            changed = sorted(k for k in set(shapes) | set(self.meta["model_shapes"])
+                             if shapes.get(k) != self.meta["model_shapes"].get(k))
+            raise UserError(
+                f"The checkpoints in {self.checkpointer.directory} are of a different model: parameter "
+                f"shapes differ at {', '.join(changed[:5])}. Fix: use the model settings of that run, "
+                "or a new run.dir for the new model."
+            )
+        fingerprint = saved.get("data_fingerprint")
+        if fingerprint is not None and fingerprint != self.strategy.fingerprint:
+            raise UserError(
+                f"The checkpoints in {self.checkpointer.directory} were trained on other data (data "
+                f"fingerprint {fingerprint[:12]} there, {self.strategy.fingerprint[:12]} now). Fix: use the "
+                "data settings of that run, or a new run.dir."
+            )
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "spec": self.spec.to_dict(),
+            "data_fingerprint": self.strategy.fingerprint,
+            "model_shapes": self.meta["model_shapes"],
+            "wandb_run_id": self.meta.get("wandb_run_id"),
+            "best": self.meta.get("best", {}),
+            "saved_unix": time.time(),
+        }
+
+    def save(self, suffix: Path | None = None, wait: bool = True) -> None:
+        """Save the current state (unless this step is saved already) and wait for it."""
+        if self.state is not None and self._last_saved_step != self.step:
+            self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta(), force=True)
+            self._last_saved_step = self.step
+        if wait:
+            self.checkpointer.wait()
+
+    def maybe_save(self) -> None:
+        if self.checkpointer.should_save(self.step):
+            self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta())
+            self._last_saved_step = self.step
+
+    # ================================================================== the loop
+
+    def warn(self, text: str) -> None:
+        if jax.process_index() == 0:
+            print(f"warning: {text}", flush=True)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signum
+
+    def evaluate(self) -> dict[str, float]:
+        chosen = self.evaluator()
+        evaluators = [] if chosen is None else (list(chosen) if isinstance(chosen, Sequence) else [chosen])
+        results: dict[str, float] = {}
+        with self._context():
+            for ev in evaluators:
+                results.update({f"eval/{k}": float(v) for k, v in ev.evaluate(self, self.state).items()})
+        self.last_eval = results
+        return results
+
+    def train(self) -> None:
+        spec = self.spec
+        total = spec.train.steps
+        tokens_per_step = spec.train.batch_size * spec.train.seq_len
+        logger = MetricsLogger(
+            self.run_dir, progress=spec.logging.progress, total_steps=total, log_every=spec.train.log_every,
+            wandb_mode=spec.logging.wandb, wandb_project=spec.logging.project, wandb_entity=spec.logging.entity,
+            wandb_run_id=self.meta.get("wandb_run_id"), run_name=Path(spec.run.dir).name,
+            config=spec.to_dict())
+        self.meta["wandb_run_id"] = logger.wandb_run_id
+        self.logger = logger
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        loader = self.batch("train")
+        t_start = time.perf_counter()
+        try:
+            if self.restored_step:
+                logger.progress.message(f"resumed from step {self.restored_step} ({self.checkpointer.directory})")
+            timer = Timer(self.step, total)
+            step_fn = self.compiled_train_step()
+            with self._context():
+                batch = self.to_device(next(loader))
+                pending: Optional[tuple[int, dict[str, jax.Array]]] = None
+                while self.step < total:
+                    self.state, metrics = step_fn(self.state, batch)
+                    self.step += 1
+                    if self.step < total:
+                        batch = self.to_device(next(loader))  # overlaps with the running step
+                    if pending is not None:
+                        self._report(logger, timer, *pending, tokens_per_step, loader)
+                    pending = (self.step, metrics)
+                    eval_due = spec.eval.every and self.step % spec.eval.every == 0 and self.step < total
+                    if eval_due or self._stop_signal is not None:
+                        self._report(logger, timer, *pending, tokens_per_step, loader)
+                        pending = None
+                    if eval_due:
+                        self._log_eval(logger)
+                    self.maybe_save()
+                    if self._stop_signal is not None:
+                        break
+                if pending is not None:
+                    self._report(logger, timer, *pending, tokens_per_step, loader)
+            if self._stop_signal is not None:
+                self.save()
+                logger.progress.message(
+                    f"stopped by signal {signal.Signals(self._stop_signal).name} at step {self.step}; "
+                    f"checkpoint saved. Rerun the same command to resume.")
+                raise Preempted()
+            self._log_eval(logger)
+            self.save()
+            self._summary(logger, time.perf_counter() - t_start)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            close = getattr(loader, "close", None)
+            if close:
+                close()
+            logger.close()
+
+    def run(self) -> None:
+        """Restore, train, evaluate and save; a finished run says so and does nothing."""
+        self.load()
+        if self.done:
+            self.finished_already()
+            return
+        try:
+            self.train()
+        finally:
+            self.checkpointer.close()
+
+    def finished_already(self) -> None:
+        if jax.process_index() == 0:
+            print(f"Run {self.run_dir} already finished at step {self.step} (train.steps={self.spec.train.steps}); "
+                  f"nothing to do. Raise train.steps to continue it.", flush=True)
+        self.checkpointer.close()
+
+    def _report(self, logger: MetricsLogger, timer: Timer, step: int, metrics: dict[str, jax.Array],
+                tokens_per_step: int, loader: Any) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        dt, eta = timer.tick(step)
+        values["tokens_per_s"] = tokens_per_step / dt if dt > 0 else 0.0
+        values["tokens_seen"] = float(step * tokens_per_step)
+        values["step_time_s"] = dt
+        values["data_wait_s"] = float(getattr(loader, "wait_seconds", 0.0))
+        if not math.isfinite(values["loss"]):
+            self.warn(f"loss is {values['loss']} at step {step}")
+        self.last_metrics = values
+        logger.progress.update(step, values, eta)
+        if step % self.spec.train.log_every == 0 or step == self.spec.train.steps:
+            logger.log(step, {k: values[k] for k in sorted(values)})
+
+    def _log_eval(self, logger: MetricsLogger) -> None:
+        results = self.evaluate()
+        if results:
+            logger.log(self.step, results)
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in results.items() if k.endswith("loss"))
+            logger.progress.message(f"eval @ step {self.step}: {shown}")
+
+    def _summary(self, logger: MetricsLogger, seconds: float) -> None:
+        spec = self.spec
+        trained = self.step - (self.restored_step or 0)
+        tokens = trained * spec.train.batch_size * spec.train.seq_len
+        lines = [
+            "",
+            f"Finished {spec.job.name}: {self.step} steps ({trained} this launch), "
+            f"{tokens:,} tokens in {seconds:.1f}s",
+            f"  final train loss {self.last_metrics.get('loss', float('nan')):.4f}",
+        ]
+        lines += [f"  final eval {k.removeprefix('eval/')} {v:.4f}" for k, v in self.last_eval.items()
+                  if k.endswith(("loss", "perplexity"))]
+        lines.append(f"  checkpoint: {self.checkpointer.directory / str(self.step)}")
+        lines.append(f"  metrics:    {self.run_dir / METRICS_FILE}")
+        logger.progress.message("\n".join(lines))

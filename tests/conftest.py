@@ -1,0 +1,50 @@
+"""Shared helpers: run `python -m runner` in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def runner_env(tmp_path: Path, devices: int = 1, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "RUNNER_CACHE": str(tmp_path.parent / "runner-cache"),  # shared by the tests of one session
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    })
+    env.update(extra)
+    return env
+
+
+def run_runner(args: list[str], tmp_path: Path, devices: int = 1, timeout: float = 600,
+               **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path, devices, **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Tiny, fast settings for end-to-end runs: seconds, not minutes.
+TINY = [
+    "job.model.d_model=32", "job.model.n_layers=2", "job.model.n_heads=2", "job.model.context_length=32",
+    "train.seq_len=32", "train.batch_size=8", "train.log_every=1", "eval.rows=16", "eval.batch_size=8",
+    "logging.wandb=disabled", "schedule.warmup_steps=2",
+]
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    return list(TINY)

@@ -1,0 +1,333 @@
+"""Data pipeline: tokenizer, token store, embedded corpus, strategies and the step-pure loader."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runner.data import store as store_module
+from runner.data.corpus import default_store, unigram_entropy
+from runner.data.loader import BatchLoader
+from runner.data.store import TokenStore, write_store
+from runner.data.strategies import DATASET_STRATEGIES, DatasetStrategy, build_strategy
+from runner.data.tokenizer import TOKENIZERS, ByteTokenizer
+from runner.errors import ConfigError, UserError
+
+
+@dataclass(frozen=True)
+class IdTokenizer:
+    """Stand-in tokenizer with a 16-bit vocabulary, so test tokens can encode their own position."""
+
+    name: str = "ids16"
+    vocab_size: int = 2**16
+    eod_id: int = 2**16 - 1
+
+
+def make_store(path: Path, train: list[np.ndarray], val: list[np.ndarray] | None = None) -> Path:
+    val = [np.arange(100, dtype=np.int64)] if val is None else val
+    write_store(path, {"train": train, "val": val}, IdTokenizer(), [{"kind": "test"}])
+    return path
+
+
+def mixture(*sources: tuple[Path | str, float]) -> DatasetStrategy:
+    return build_strategy("mixture", {"sources": [{"path": str(p), "weight": w} for p, w in sources]})
+
+
+def same_batch(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = TOKENIZERS.get("byte")()
+    text = "def f(x):\n    return 'héllo ✓'\n"
+    ids = tok.encode(text)
+    assert ids.dtype == np.uint16 and ids.max() < 256
+    assert tok.decode(ids) == text
+    assert tok.decode(np.concatenate([ids, [tok.eod_id]])) == text  # eod is dropped
+    assert (tok.name, tok.vocab_size, tok.eod_id) == ("byte", 257, 256)
+    assert tok.decode(np.array([104, 999, 105])) == "h\ufffdi"
+
+
+# ----------------------------------------------------------------------------- store
+
+
+def test_store_write_open_and_fingerprint(tmp_path: Path) -> None:
+    docs = [np.array([1, 2, 3]), np.array([4, 5])]
+    make_store(tmp_path / "a", docs)
+    st = TokenStore.open(tmp_path / "a")
+    eod = IdTokenizer.eod_id
+    assert st.tokens("train").tolist() == [1, 2, 3, eod, 4, 5, eod]
+    assert st.tokens("val").tolist() == list(range(100)) + [eod]
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    assert meta["format"] == "runner-flat-v1" and meta["dtype"] == "uint16"
+    assert meta["splits"]["train"] == {"tokens": 7, "documents": 2}
+    assert st.vocab_size == 2**16 and st.tokenizer == "ids16" and st.eod_id == eod
+    # Same tokens -> same fingerprint; different tokens or a moved split boundary -> different.
+    assert TokenStore.open(make_store(tmp_path / "b", docs)).fingerprint == st.fingerprint
+    assert TokenStore.open(make_store(tmp_path / "c", docs[:1])).fingerprint != st.fingerprint
+    assert len(st.fingerprint) == 64
+    with pytest.raises(UserError, match="already exists"):
+        make_store(tmp_path / "a", docs)
+
+
+def test_store_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no token store at .*nowhere.*prepare one"):
+        TokenStore.open(tmp_path / "nowhere")
+    path = make_store(tmp_path / "s", [np.arange(50)])
+    with open(path / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(UserError, match="Corrupt token store .*train.bin has 10 bytes"):
+        TokenStore.open(path)
+
+
+def test_write_store_keeps_a_concurrent_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If another process renames its store into place while we write, theirs is kept."""
+    target = tmp_path / "race"
+    real_write = store_module._write_splits
+
+    def write_then_lose(*args, **kwargs):  # type: ignore[no-untyped-def]
+        meta = real_write(*args, **kwargs)
+        monkeypatch.setattr(store_module, "_write_splits", real_write)
+        make_store(target, [np.array([9, 9, 9])])  # the "other process" finishes first
+        return meta
+
+    monkeypatch.setattr(store_module, "_write_splits", write_then_lose)
+    kept = write_store(target, {"train": [np.array([1])], "val": [np.array([2])]}, IdTokenizer(), [])
+    assert kept.tokens("train").tolist() == [9, 9, 9, IdTokenizer.eod_id]
+    assert [p.name for p in tmp_path.iterdir()] == ["race"]  # our temp dir is gone
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def test_default_store_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    path = default_store(max_bytes=300_000)
+    assert path.parent == tmp_path
+    st = TokenStore.open(path)
+    train, val = st.tokens("train"), st.tokens("val")
+    assert st.tokenizer == "byte" and st.vocab_size == 257
+    assert len(train) > len(val) >= 30_000  # val holds at least a tenth of a small corpus
+    documents = sum(split["documents"] for split in st.meta["splits"].values())
+    assert len(train) + len(val) <= 300_000 + documents  # the byte cap, plus one eod per document
+    mtime = (path / "meta.json").stat().st_mtime_ns
+    assert default_store(max_bytes=300_000) == path
+    assert (path / "meta.json").stat().st_mtime_ns == mtime
+    assert TokenStore.open(path).fingerprint == st.fingerprint
+    text = ByteTokenizer().decode(np.asarray(train[:2000]))
+    assert "\ufffd" not in text and len(text.split()) > 50  # real text
+
+
+def test_default_store_is_safe_for_concurrent_processes(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        paths = pool.starmap(default_store, [(tmp_path, 200_000)] * 3)
+    assert len(set(paths)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [paths[0].name]
+    TokenStore.open(paths[0])
+
+
+def test_unigram_entropy() -> None:
+    assert unigram_entropy(np.arange(8).repeat(5), 257) == pytest.approx(math.log(8))
+    assert unigram_entropy(np.zeros(10, np.int64), 4) == 0.0
+
+
+def test_default_corpus_through_the_mixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    strategy = build_strategy("mixture", {})  # no sources: the embedded corpus
+    assert (strategy.vocab_size, strategy.tokenizer) == (257, "byte")
+    ex = strategy.train(128, seed=0)[0]
+    assert ex["x"].shape == (128,) and ex["x"].dtype == np.int32 and ex["mask"].dtype == np.float32
+    assert np.array_equal(ex["x"][1:], ex["y"][:-1]) and ex["mask"].sum() == 128
+    val = strategy.validation(128, max_rows=64)
+    assert list(val) == ["stdlib"] and len(val["stdlib"]) == 64
+    train_tokens = TokenStore.open(tmp_path / "stdlib-byte-v1").tokens("train")
+    assert 2.0 < unigram_entropy(train_tokens, 257) < math.log(257)
+
+
+# ----------------------------------------------------------------------------- mixture + loader
+
+
+@pytest.fixture
+def numbered(tmp_path: Path) -> Path:
+    """A store of 50 windows of seq_len 4 whose window j starts with token 4*j."""
+    return make_store(tmp_path / "numbered", [np.arange(200)], [np.arange(1000, 1041)])
+
+
+def test_batches_are_pure_functions_of_the_step(numbered: Path) -> None:
+    layout = dict(global_batch=8, accumulate_steps=2)
+    a = BatchLoader(mixture((numbered, 1)).train(4, seed=7), start_step=0, **layout)
+    b = BatchLoader(mixture((numbered, 1)).train(4, seed=7), start_step=5, **layout)
+    for step in (0, 3, 11, 1000):
+        assert same_batch(a.batch_at(step), b.batch_at(step))
+    assert [same_batch(next(b), b.batch_at(s)) for s in (5, 6)] == [True, True]
+    assert b.next_step == 7 and b.wait_seconds >= 0
+    # batch_at agrees with reading the dataset's global rows one by one.
+    ds = mixture((numbered, 1)).train(4, seed=7)
+    rows = a.global_rows(6)
+    assert rows.tolist() == [[48, 49, 50, 51], [52, 53, 54, 55]]
+    direct = np.stack([ds[int(r)]["x"] for r in rows.ravel()]).reshape(2, 4, 4)
+    assert np.array_equal(a.batch_at(6)["x"], direct)
+    other_seed = BatchLoader(mixture((numbered, 1)).train(4, seed=8), start_step=0, **layout)
+    assert not same_batch(a.batch_at(0), other_seed.batch_at(0))
+    for loader in (a, b, other_seed):
+        loader.close()
+
+
+def test_host_sharding_and_accumulation_do_not_change_the_global_batch(numbered: Path) -> None:
+    ds = mixture((numbered, 1)).train(4, seed=3)
+    whole = BatchLoader(ds, global_batch=8, accumulate_steps=2, start_step=0)
+    hosts = [
+        BatchLoader(ds, global_batch=8, accumulate_steps=2, start_step=2, process_index=p, process_count=2)
+        for p in range(2)
+    ]
+    single_micro = BatchLoader(ds, global_batch=8, accumulate_steps=1, start_step=0)
+    for step in (2, 3, 77):
+        shards = [h.batch_at(step) for h in hosts]
+        assert shards[0]["x"].shape == (2, 2, 4)
+        joined = {k: np.concatenate([s[k] for s in shards], axis=1) for k in shards[0]}
+        assert same_batch(joined, whole.batch_at(step))
+        flat = {k: v.reshape(8, 4) for k, v in whole.batch_at(step).items()}
+        assert same_batch(flat, {k: v.reshape(8, 4) for k, v in single_micro.batch_at(step).items()})
+    assert same_batch(next(hosts[1]), hosts[1].batch_at(2))
+    for loader in (whole, single_micro, *hosts):
+        loader.close()
+
+
+def test_each_epoch_is_a_fresh_permutation(numbered: Path) -> None:
+    ds = mixture((numbered, 1)).train(4, seed=0)
+    order = [int(ds[i]["x"][0]) // 4 for i in range(150)]
+    epochs = [order[0:50], order[50:100], order[100:150]]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(50))
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] != list(range(50))
+
+
+def test_validation_is_the_first_windows_in_fixed_order(numbered: Path) -> None:
+    strategy = mixture((numbered, 1))
+    val = strategy.validation(4, max_rows=100)["numbered"]
+    assert len(val) == 10  # 41 val tokens + eod = 42 -> 10 windows of 4+1 at stride 4
+    assert [int(val[j]["x"][0]) for j in range(10)] == list(range(1000, 1040, 4))
+    assert len(strategy.validation(4, max_rows=3)["numbered"]) == 3
+
+
+def test_mixture_proportions(tmp_path: Path) -> None:
+    """grain's mix scales weights to integers (smallest -> 100) and is exact per block of their sum."""
+    low = make_store(tmp_path / "low", [np.arange(0, 4000)])
+    high = make_store(tmp_path / "high", [np.arange(30000, 34000)])
+    strategy = mixture((low, 3), (high, 1))
+    ds = strategy.train(4, seed=1)
+    from_low = np.array([ds[i]["x"][0] < 30000 for i in range(4000)])
+    assert from_low.sum() == 3000
+    assert (from_low.reshape(-1, 400).sum(axis=1) == 300).all()  # every block of 300+100 rows
+    assert (from_low.reshape(-1, 4).sum(axis=1) == 3).all()  # and, for 3:1, every block of 4
+    assert set(strategy.validation(4, 2)) == {"low", "high"}
+
+
+def test_zero_weight_source_is_validation_only(tmp_path: Path) -> None:
+    low = make_store(tmp_path / "low", [np.arange(0, 400)])
+    high = make_store(tmp_path / "high", [np.arange(30000, 30400)])
+    strategy = mixture((low, 1), (high, 0))
+    ds = strategy.train(4, seed=1)
+    assert all(ds[i]["x"][0] < 30000 for i in range(300))
+    assert set(strategy.validation(4, 2)) == {"low", "high"}
+
+
+def test_fingerprint_tracks_data_and_weights(tmp_path: Path, numbered: Path) -> None:
+    other = make_store(tmp_path / "other", [np.arange(300)])
+    base = mixture((numbered, 1), (other, 1)).fingerprint
+    assert mixture((numbered, 1), (other, 1)).fingerprint == base
+    assert mixture((numbered, 2), (other, 1)).fingerprint != base
+    assert mixture((numbered, 1)).fingerprint != base
+
+
+def test_synthetic_is_deterministic() -> None:
+    a = build_strategy("synthetic", {"vocab_size": 100})
+    b = build_strategy("synthetic", {"vocab_size": 100})
+    assert a.fingerprint == b.fingerprint and a.vocab_size == 100
+    rows_a = [a.train(16, seed=1)[i] for i in (0, 5, 10**12)]
+    rows_b = [b.train(16, seed=1)[i] for i in (0, 5, 10**12)]
+    assert all(same_batch(x, y) for x, y in zip(rows_a, rows_b))
+    assert not same_batch(a.train(16, seed=2)[0], rows_a[0])
+    assert not same_batch(a.train(16, seed=1)[1], rows_a[0])
+    assert all(0 <= r["x"].min() and r["x"].max() < 100 and np.array_equal(r["x"][1:], r["y"][:-1]) for r in rows_a)
+    val = a.validation(16, max_rows=4)["synthetic"]
+    assert len(val) == 4 and same_batch(val[2], b.validation(16, 4)["synthetic"][2])
+    assert not same_batch(val[0], rows_a[0])
+    loader = BatchLoader(a.train(16, seed=1), global_batch=4, accumulate_steps=1, start_step=3)
+    assert same_batch(next(loader), loader.batch_at(3))
+    loader.close()
+
+
+@dataclass(frozen=True)
+class SourceSection:
+    name: str = ""
+    path: str = "default"
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Shaped like a job spec's typed ``data`` section: strategy settings plus loader settings."""
+
+    strategy: str = "mixture"
+    sources: tuple[SourceSection, ...] = ()
+    prefetch: int = 2
+
+
+def test_typed_spec_sections_give_each_strategy_its_own_fields(numbered: Path) -> None:
+    section = DataSection(sources=(SourceSection(path=str(numbered), weight=2.0),))
+    assert build_strategy("mixture", section).fingerprint == mixture((numbered, 2)).fingerprint
+    assert build_strategy("synthetic", section).vocab_size == 257  # sources/prefetch are not its business
+    with pytest.raises(ConfigError, match="data.prefetch"):  # a raw mapping is checked strictly
+        build_strategy("mixture", {"sources": [{"path": str(numbered)}], "prefetch": 2})
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_config_errors_name_the_key(tmp_path: Path, numbered: Path) -> None:
+    def key_of(settings: dict, name: str = "mixture") -> str:
+        with pytest.raises(ConfigError) as err:
+            build_strategy(name, settings)
+        return err.value.key
+
+    assert key_of({"sources": [{"path": str(tmp_path / "missing")}]}) == "data.sources[0].path"
+    assert key_of({"sources": [{"path": str(numbered), "weight": 0}]}) == "data.sources"
+    assert key_of({"sources": [{"path": str(numbered), "weight": -1}]}) == "data.sources[0].weight"
+    assert key_of({"sources": []}) == "data.sources"
+    assert key_of({"sources": [{"path": str(numbered), "wieght": 1}]}) == "data.sources[0].wieght"
+    assert key_of({"sources": [{"path": str(numbered)}, {"path": str(numbered)}]}) == "data.sources[1].name"
+    assert key_of({"vocab_size": 1}, "synthetic") == "data.vocab_size"
+    assert key_of({}, "no-such-strategy") == "data.strategy"
+    assert "mixture" in DATASET_STRATEGIES and "synthetic" in DATASET_STRATEGIES
+
+
+def test_store_too_short_for_seq_len(tmp_path: Path) -> None:
+    tiny = make_store(tmp_path / "tiny", [np.arange(10)])
+    strategy = mixture((tiny, 1))
+    with pytest.raises(ConfigError, match="too few for one window") as err:
+        strategy.train(64, seed=0)
+    assert err.value.key == "data.sources[0].path"
+    empty = make_store(tmp_path / "empty", [])
+    with pytest.raises(ConfigError, match="train split is empty"):
+        mixture((empty, 1))
+
+
+def test_batch_layout_errors(numbered: Path) -> None:
+    ds = mixture((numbered, 1)).train(4, seed=0)
+    with pytest.raises(ConfigError, match="train.batch_size") as err:
+        BatchLoader(ds, global_batch=10, accumulate_steps=4, start_step=0)
+    assert "multiple of 4" in str(err.value)
+    with pytest.raises(ConfigError, match="processes"):
+        BatchLoader(ds, global_batch=6, accumulate_steps=2, start_step=0, process_count=2)

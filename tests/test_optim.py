@@ -1,0 +1,243 @@
+"""Schedules hit hand-computed values; optimizers build, descend, mask decay and clip."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from runner.errors import ConfigError
+from runner.optim import OPTIMIZERS, SCHEDULES, OptimizerSettings, build_optimizer, build_schedule, decay_mask
+
+PEAK, TOTAL, WARMUP, FINAL = 1.0, 100, 10, 0.1
+
+
+def values(schedule: optax.Schedule, steps: list[int]) -> list[float]:
+    return [float(schedule(jnp.asarray(s))) for s in steps]
+
+
+# --- schedules -------------------------------------------------------------------------------
+
+# name, extra, {step: expected} beyond the warmup checks shared by all schedules.
+SCHEDULE_CASES = [
+    ("constant", {}, {55: 1.0, 100: 1.0, 1000: 1.0}),
+    ("cosine", {}, {55: 0.1 + 0.9 * 0.5, 100: 0.1, 200: 0.1}),
+    ("linear", {}, {55: 0.55, 100: 0.1, 200: 0.1}),
+    ("wsd", {}, {30: 1.0, 80: 1.0, 90: 0.55, 100: 0.1}),
+    ("wsd", {"decay_shape": "cosine"}, {80: 1.0, 90: 0.55, 100: 0.1}),
+    ("wsd", {"decay_shape": "sqrt"}, {80: 1.0, 90: 0.1 + 0.9 * (1 - math.sqrt(0.5)), 100: 0.1}),
+    ("wsd", {"decay_fraction": 0.5}, {50: 1.0, 75: 0.55, 100: 0.1}),
+    ("inverse_sqrt", {}, {40: 0.5, 100: math.sqrt(0.1), 1000: 0.1, 10_000: 0.1}),
+]
+
+
+@pytest.mark.parametrize("name,extra,expected", SCHEDULE_CASES)
+def test_schedule_values(name: str, extra: dict, expected: dict[int, float]) -> None:
+    schedule = build_schedule(name, PEAK, TOTAL, WARMUP, FINAL, extra)
+    # Linear warmup 0 -> peak: step 0, mid-warmup, end of warmup.
+    np.testing.assert_allclose(values(schedule, [0, 5, 10]), [0.0, 0.5, 1.0], atol=1e-6)
+    np.testing.assert_allclose(values(schedule, list(expected)), list(expected.values()), atol=1e-6)
+
+
+def test_every_registered_schedule_is_covered() -> None:
+    assert {case[0] for case in SCHEDULE_CASES} == set(SCHEDULES.names())
+
+
+def test_wsd_stable_phase_is_flat() -> None:
+    schedule = build_schedule("wsd", PEAK, TOTAL, WARMUP, FINAL)
+    np.testing.assert_allclose(values(schedule, list(range(10, 81))), [1.0] * 71, atol=1e-7)
+    assert float(schedule(81)) < 1.0
+
+
+@pytest.mark.parametrize("name", ["constant", "cosine", "linear", "wsd"])
+def test_no_warmup_starts_at_peak(name: str) -> None:
+    assert float(build_schedule(name, PEAK, TOTAL, 0, FINAL)(0)) == pytest.approx(1.0)
+
+
+def test_inverse_sqrt_without_warmup_uses_timescale() -> None:
+    default = build_schedule("inverse_sqrt", PEAK, TOTAL, 0, 0.0)
+    np.testing.assert_allclose(values(default, [0, 1000, 4000]), [1.0, 1.0, 0.5], atol=1e-6)
+    custom = build_schedule("inverse_sqrt", PEAK, TOTAL, 0, 0.0, {"timescale": 100})
+    np.testing.assert_allclose(values(custom, [100, 400]), [1.0, 0.5], atol=1e-6)
+
+
+def test_warmup_equal_to_total_is_allowed() -> None:
+    """No steps are left to decay in, so every schedule ends its warmup at the peak."""
+    for name in SCHEDULES:
+        extra = {"decay_fraction": 0.0} if name == "wsd" else {}  # wsd's default decay would overlap
+        schedule = build_schedule(name, PEAK, TOTAL, TOTAL, FINAL, extra)
+        np.testing.assert_allclose(values(schedule, [50, 100]), [0.5, 1.0], atol=1e-6)
+
+
+def test_unknown_schedule_lists_names() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_schedule("cosin", PEAK, TOTAL, WARMUP, FINAL)
+    assert err.value.key == "schedule.name"
+    for name in SCHEDULES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"warmup_steps": 101}, "schedule.warmup_steps"),
+        ({"warmup_steps": -1}, "schedule.warmup_steps"),
+        ({"peak_lr": 0.0}, "schedule.peak_lr"),
+        ({"peak_lr": -1e-3}, "schedule.peak_lr"),
+        ({"final_lr": -0.1}, "schedule.final_lr"),
+        ({"final_lr": 2.0}, "schedule.final_lr"),
+        ({"total_steps": 0}, "schedule.total_steps"),
+    ],
+)
+def test_bad_common_settings(kwargs: dict, key: str) -> None:
+    args = dict(name="cosine", peak_lr=PEAK, total_steps=TOTAL, warmup_steps=WARMUP, final_lr=FINAL) | kwargs
+    with pytest.raises(ConfigError) as err:
+        build_schedule(**args)
+    assert err.value.key == key
+
+
+def test_unknown_extra_lists_accepted_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_schedule("wsd", PEAK, TOTAL, WARMUP, FINAL, {"decay_frac": 0.1})
+    assert err.value.key == "schedule.decay_frac"
+    assert "decay_fraction" in str(err.value) and "decay_shape" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        build_schedule("cosine", PEAK, TOTAL, WARMUP, FINAL, {"timescale": 5})
+    assert err.value.key == "schedule.timescale"
+
+
+@pytest.mark.parametrize(
+    "extra,key",
+    [
+        ({"decay_shape": "exp"}, "schedule.decay_shape"),
+        ({"decay_fraction": 1.5}, "schedule.decay_fraction"),
+        ({"decay_fraction": 0.95}, "schedule.decay_fraction"),  # overlaps the 10-step warmup
+    ],
+)
+def test_bad_wsd_extras(extra: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_schedule("wsd", PEAK, TOTAL, WARMUP, FINAL, extra)
+    assert err.value.key == key
+
+
+# --- optimizers ------------------------------------------------------------------------------
+
+
+def small_params() -> dict:
+    keys = jax.random.split(jax.random.key(0), 4)
+    return {
+        "wte": {"embedding": jax.random.normal(keys[0], (10, 4))},
+        "block": {"kernel": jax.random.normal(keys[1], (4, 4)), "bias": jax.random.normal(keys[2], (4,))},
+        "ln": {"scale": jax.random.normal(keys[3], (4,))},
+    }
+
+
+def quadratic(params: dict) -> jax.Array:
+    return sum(jnp.sum((p - 1.0) ** 2) for p in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS.names())
+def test_optimizer_reduces_quadratic(name: str) -> None:
+    params = small_params()
+    tx = build_optimizer(name, 1e-2, OptimizerSettings(), clip_norm=1.0)
+    state = tx.init(params)
+    loss, grads = jax.value_and_grad(quadratic)(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    assert float(quadratic(new_params)) < float(loss)
+    assert jax.tree.structure(new_params) == jax.tree.structure(params)
+
+
+def test_optimizer_accepts_a_schedule() -> None:
+    schedule = build_schedule("cosine", 1e-2, 100, 10, 0.0)
+    params = small_params()
+    for name in OPTIMIZERS:
+        tx = build_optimizer(name, schedule, OptimizerSettings(), None)
+        state = tx.init(params)
+        for _ in range(2):  # step 0 has lr 0; step 1 moves
+            updates, state = tx.update(jax.grad(quadratic)(params), state, params)
+        assert any(float(jnp.abs(u).max()) > 0 for u in jax.tree.leaves(updates)), name
+
+
+def test_decay_mask() -> None:
+    mask = decay_mask(small_params() | {"stack": jnp.ones((2, 4, 4)), "wpe": jnp.ones((8, 4))})
+    assert mask == {
+        "wte": {"embedding": False}, "wpe": False, "stack": True,
+        "block": {"kernel": True, "bias": False}, "ln": {"scale": False},
+    }
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS.names())
+def test_weight_decay_only_shrinks_kernels(name: str) -> None:
+    """With zero gradients only decay moves parameters: kernel by lr * wd, the rest not at all."""
+    params = jax.tree.map(jnp.ones_like, small_params())
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = build_optimizer(name, 0.1, OptimizerSettings(weight_decay=0.1), None)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(new["block"]["kernel"], 0.99, rtol=1e-6)
+    for path in (("block", "bias"), ("ln", "scale"), ("wte", "embedding")):
+        np.testing.assert_array_equal(new[path[0]][path[1]], 1.0)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS.names())
+def test_decay_embeddings_and_norms_decays_everything(name: str) -> None:
+    params = jax.tree.map(jnp.ones_like, small_params())
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = build_optimizer(name, 0.1, OptimizerSettings(weight_decay=0.1, decay_embeddings_and_norms=True), None)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    for leaf in jax.tree.leaves(optax.apply_updates(params, updates)):
+        np.testing.assert_allclose(leaf, 0.99, rtol=1e-6)
+
+
+def test_muon_handles_1d_2d_and_3d_leaves() -> None:
+    params = small_params() | {"stack": jnp.ones((2, 4, 4))}
+    tx = build_optimizer("muon", 1e-2, OptimizerSettings(), 1.0)
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(jax.grad(quadratic)(params), state, params)
+    assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_clipping_limits_global_norm() -> None:
+    tx = build_optimizer(optax.sgd(1.0), learning_rate=123.0, settings=OptimizerSettings(), clip_norm=1.0)
+    params = {"a": jnp.zeros(2)}
+    updates, _ = tx.update({"a": jnp.array([300.0, 400.0])}, tx.init(params), params)
+    np.testing.assert_allclose(updates["a"], [-0.6, -0.8], rtol=1e-6)
+
+
+def test_optax_object_without_clipping_is_returned_as_is() -> None:
+    sgd = optax.sgd(1.0)
+    assert build_optimizer(sgd, 1.0, OptimizerSettings(), None) is sgd
+
+
+def test_unknown_optimizer_lists_names() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_optimizer("adam_w", 1e-3, OptimizerSettings(), None)
+    assert err.value.key == "optimizer.name"
+    for name in OPTIMIZERS:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "settings,clip_norm,key",
+    [
+        (OptimizerSettings(b1=1.0), None, "optimizer.b1"),
+        (OptimizerSettings(b2=1.0), None, "optimizer.b2"),
+        (OptimizerSettings(b2=-0.1), None, "optimizer.b2"),
+        (OptimizerSettings(momentum=1.5), None, "optimizer.momentum"),
+        (OptimizerSettings(eps=0.0), None, "optimizer.eps"),
+        (OptimizerSettings(weight_decay=-0.1), None, "optimizer.weight_decay"),
+        (OptimizerSettings(nesterov="yes"), None, "optimizer.nesterov"),  # type: ignore[arg-type]
+        (OptimizerSettings(), 0.0, "optimizer.clip_norm"),
+        (OptimizerSettings(), -1.0, "optimizer.clip_norm"),
+    ],
+)
+def test_bad_optimizer_settings(settings: OptimizerSettings, clip_norm: float | None, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_optimizer("adamw", 1e-3, settings, clip_norm)
+    assert err.value.key == key

@@ -1,0 +1,116 @@
+"""Spec composition through Hydra, and every validation error (exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from runner.cli import CONF_DIR, CONFIG_NAME
+from runner.errors import ConfigError
+from runner.job import load_job_modules
+from runner.spec import ExecutionSpec, build_spec, derive_run_dir, register_schema, spec_from_dict
+from tests.conftest import run_runner
+
+register_schema()
+load_job_modules()
+
+
+def spec_for(*overrides: str) -> ExecutionSpec:
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose(CONFIG_NAME, overrides=list(overrides))
+    return build_spec(cfg, list(overrides))
+
+
+def test_default_composition_is_the_tiny_job() -> None:
+    spec = spec_for()
+    assert spec.job.name == "gpt_tiny" and spec.job.trainer == "gpt"
+    assert spec.optimizer.name == "adamw" and spec.schedule.name == "cosine"
+    assert spec.topology == "auto" and spec.mode == "train"
+    assert spec.run.dir == "runs/gpt_tiny/default"
+
+
+def test_spec_is_frozen_and_lists_become_tuples() -> None:
+    spec = spec_for()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 3  # type: ignore[misc]
+    assert isinstance(spec.data.sources, tuple)
+    hash(spec)
+
+
+def test_groups_and_keys_compose() -> None:
+    spec = spec_for("job=gpt_small", "topology=v4-32", "optimizer=lion", "schedule=wsd", "train.steps=7000", "seed=3")
+    assert spec.job.model.d_model == 768 and spec.job.model.n_layers == 12
+    assert spec.optimizer.name == "lion" and spec.schedule.name == "wsd"
+    assert spec.train.steps == 7000 and spec.seed == 3 and spec.topology == "v4-32"
+
+
+def test_spec_round_trips_through_a_dict() -> None:
+    spec = spec_for("optimizer.lr=0.01")
+    assert spec_from_dict(spec.to_dict()) == spec
+
+
+def test_run_dir_is_derived_from_identifying_overrides_only() -> None:
+    a = derive_run_dir("runs", "gpt_tiny", ["optimizer.lr=0.01", "seed=1"])
+    b = derive_run_dir("runs", "gpt_tiny", ["seed=1", "optimizer.lr=0.01", "train.steps=900", "topology=cpu-2",
+                                            "mesh.data=2", "checkpoint.keep=9"])
+    assert a == b == "runs/gpt_tiny/optimizer.lr=0.01,seed=1"
+    assert derive_run_dir("runs", "gpt_tiny", ["train.steps=5"]) == "runs/gpt_tiny/default"
+    long = derive_run_dir("runs", "j", [f"job.model.d_model={i}" for i in range(40)])
+    assert len(long.split("/")[-1]) <= 120
+    assert spec_for("run.dir=/tmp/x").run.dir == "/tmp/x"
+
+
+@pytest.mark.parametrize("overrides, key, needle", [
+    (["train.steps=0"], "train.steps", "> 0"),
+    (["train.seq_len=512"], "train.seq_len", "context"),
+    (["train.batch_size=30", "train.accumulate_steps=4"], "train.batch_size", "accumulate"),
+    (["topology=cpu-4", "mesh.data=4", "train.batch_size=6"], "train.batch_size", "4 ways"),
+    (["topology=cpu-4", "mesh.data=3"], "mesh", "4"),
+    (["mesh.fsdp=0"], "mesh.fsdp", "positive"),
+    (["optimizer.name=adamq"], "optimizer.name", "adamw"),
+    (["schedule.name=cosin"], "schedule.name", "cosine"),
+    (["data.strategy=zipf"], "data.strategy", "mixture"),
+    (["job.trainer=nope"], "job.trainer", "gpt"),
+    (["mode=serve"], "mode", "train, eval, compile"),
+    (["topology=v4-31"], "topology", "v4"),
+    (["job.model.n_heads=3"], "job.model.n_heads", "divide"),
+    (["optimizer.b2=1.5"], "optimizer.b2", ""),
+    (["logging.wandb=maybe"], "logging.wandb", "offline"),
+    (["checkpoint.keep=0"], "checkpoint.keep", "> 0"),
+    (["eval.evaluators=[nonesuch]"], "eval.evaluators", "heldout"),
+])
+def test_validation_errors_name_the_key(overrides: list[str], key: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        spec_for(*overrides)
+    assert info.value.key.startswith(key)
+    assert needle in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train.stepz=3"], "train.stepz"),
+    (["train.steps=abc"], "train.steps"),
+    (["job=gpt_huge"], "gpt_tiny"),
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["optimizer.name=adamq"], "adamw, "),
+])
+def test_cli_user_errors_exit_2_without_traceback(tmp_path, args: list[str], needle: str) -> None:
+    result = run_runner(args, tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert needle in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing written for a rejected config
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path) -> None:
+    result = run_runner(["--cfg", "job", "train.steps=17"], tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "steps: 17" in result.stdout and "trainer: gpt" in result.stdout
+
+
+def test_unavailable_mode_says_so(tmp_path) -> None:
+    result = run_runner(["mode=compile", "logging.wandb=disabled"], tmp_path, timeout=300)
+    assert result.returncode == 2
+    assert "mode=compile is not available" in result.stderr
