@@ -193,7 +193,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
         new_state = state.apply_gradients(grads=grads)
-        meta = {"grad_norm": optax.global_norm(grads), "tokens": count}
+        meta = {"grad_norm": optax.tree.norm(grads), "tokens": count}
         return new_state, loss, meta
 
     @classmethod
@@ -400,6 +400,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         try:
             if self.restored_step:
                 logger.progress.message(f"resumed from step {self.restored_step} ({self.checkpointer.directory})")
+            if self.step == 0:  # the baseline every later evaluation is compared with
+                self._log_eval(logger)
             timer = Timer(self.step, total)
             step_fn = self.compiled_train_step()
             with self._context():
