@@ -125,31 +125,38 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
 
     def restore_latest(self, abstract_state: Any, on_damaged: str = "fallback",
-                       warn: Callable[[str], None] = log.warning) -> Restored | None:
+                       warn: Callable[[str], None] = log.warning,
+                       check: Callable[[dict[str, Any]], None] = lambda meta: None) -> Restored | None:
         """Restore the newest complete checkpoint into `abstract_state`'s shapes and shardings.
 
-        A checkpoint that fails to load (truncated or missing files) is reported and, with
-        ``on_damaged="fallback"``, the previous one is tried.
+        Each candidate's meta is read and passed to `check` first (which raises to refuse a
+        checkpoint of another model or other data) so that a refused checkpoint is never
+        mistaken for a damaged one. A checkpoint whose files fail to load is reported and,
+        with ``on_damaged="fallback"``, set aside in favour of the previous one.
         """
         damaged: list[int] = []
         try:
             for step in reversed(self.steps()):
-                restored = self._try_restore(step, abstract_state, on_damaged, warn)
-                if restored is not None:
-                    return restored
-                damaged.append(step)
+                meta = self._attempt(step, on_damaged, warn, lambda: self.read_meta(step))
+                if meta is None:
+                    damaged.append(step)
+                    continue
+                check(meta)
+                state = self._attempt(step, on_damaged, warn, lambda: self.manager.restore(
+                    step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)}))[STATE])
+                if state is None:
+                    damaged.append(step)
+                    continue
+                return Restored(step=step, state=state, meta=meta)
             return None
         finally:
             if damaged:
                 self._set_aside(damaged)
 
-    def _try_restore(self, step: int, abstract_state: Any, on_damaged: str,
-                     warn: Callable[[str], None]) -> Restored | None:
+    def _attempt(self, step: int, on_damaged: str, warn: Callable[[str], None], read: Callable[[], Any]) -> Any:
+        """`read()`, or None when the checkpoint's files are damaged (or stop, if so configured)."""
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**{
-                STATE: ocp.args.StandardRestore(abstract_state),
-                META: ocp.args.JsonRestore(),
-            }))
+            return read()
         except Exception as err:  # orbax/tensorstore raise many types for damaged files
             first_line = str(err).splitlines()[0][:300] if str(err) else ""
             reason = f"{type(err).__name__}: {first_line}"
@@ -162,7 +169,6 @@ class Checkpointer:
                 ) from None
             warn(f"checkpoint {where} is damaged ({reason}); falling back to the previous one")
             return None
-        return Restored(step=step, state=restored[STATE], meta=restored[META])
 
     def _set_aside(self, steps: list[int]) -> None:
         """Move damaged steps out of the manager's sight (kept for inspection, never deleted),
@@ -176,6 +182,32 @@ class Checkpointer:
                 log.warning("moved damaged checkpoint %s to %s", step, target)
         ocp.multihost.sync_global_processes("runner_set_aside_damaged")
         self.manager.reload()
+
+
+def find_state_dir(path: str | Path) -> Path:
+    """The `state` item of the newest checkpoint under a run directory, a checkpoints directory
+    or a step directory (for warm starts)."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if not (p / STATE).is_dir():
+        steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and (c / STATE).is_dir()) \
+            if p.is_dir() else []
+        if not steps:
+            raise UserError(
+                f"run.init_from={str(path)!r} holds no complete checkpoint. Fix: point it at a run "
+                "directory, its checkpoints/ directory, or one checkpoints/<step> directory."
+            )
+        p = p / str(steps[-1])
+    return (p / STATE).absolute()
+
+
+def restore_tree(state_dir: Path, abstract_tree: Any, partial: bool) -> Any:
+    """Restore `abstract_tree`'s leaves (only those, when `partial`) from an orbax state item."""
+    args = ocp.args.PyTreeRestore(item=abstract_tree, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree),
+                                  partial_restore=partial)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return checkpointer.restore(state_dir, args=args)
 
 
 def abstract_like(tree: Any) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,8 +34,7 @@ def _quiet_libraries() -> None:
 
 def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
     """Print one paragraph to stderr and exit."""
-    text = " ".join(message.split())
-    print("error: " + textwrap.fill(text, width=100, subsequent_indent="  "), file=sys.stderr, flush=True)
+    print("error: " + " ".join(message.split()), file=sys.stderr, flush=True)
     sys.exit(code)
 
 

@@ -137,6 +137,7 @@ class CheckpointSpec(_Frozen):
     keep_every: int = 0  # and every P-th step permanently (0: none)
     async_save: bool = True
     on_damaged: str = "fallback"  # fallback to the previous complete checkpoint, or stop
+    allow_data_change: bool = False  # resume a run although its data fingerprint changed
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class DistributedSpec(_Frozen):
 class RunSpec(_Frozen):
     root: str = "runs"
     dir: str = ""  # empty: derived from the job and the overrides
+    init_from: str = ""  # warm start a new run from another run's (or a step's) checkpoint
+    init_mode: str = "params"  # params: fresh optimizer at step 0 | full: the whole state
 
 
 @dataclass(frozen=True)
@@ -339,6 +342,7 @@ def validate(spec: ExecutionSpec) -> None:
     _positive("checkpoint.keep_every", c.keep_every, allow_zero=True)
     _one_of("checkpoint.on_damaged", c.on_damaged, ON_DAMAGED)
 
+    _one_of("run.init_mode", spec.run.init_mode, ("params", "full"))
     _one_of("logging.wandb", spec.logging.wandb, WANDB_MODES)
     _one_of("logging.progress", spec.logging.progress, PROGRESS_STYLES)
     d = spec.distributed

@@ -27,6 +27,7 @@ import optax
 from flax.training import train_state
 
 from runner import checkpoint as ckpt
+from runner import faults
 from runner.data.loader import BatchLoader
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.errors import UserError
@@ -303,41 +304,63 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def load(self, suffix: Path | None = None) -> bool:
         abstract, self.state_sharding = self.abstract_state()
         self.meta["model_shapes"] = self.model_shapes(abstract)
-        latest = self.checkpointer.latest_step()
-        if latest is not None and latest >= self.spec.train.steps and self.spec.mode == "train":
-            self.step = self.restored_step = latest  # finished: nothing to restore
-            return True
         restored = self.checkpointer.restore_latest(self.state_tree(abstract), self.spec.checkpoint.on_damaged,
-                                                    warn=self.warn)
+                                                    warn=self.warn, check=self.check_compatible)
         if restored is None:
             self.state = self.init_state()
-            self.step = 0
-            truncate_jsonl(self.run_dir / METRICS_FILE, 0)
+            if self.spec.run.init_from:
+                self.warm_start(abstract)
+            self.step = int(self.state.step)
+            truncate_jsonl(self.run_dir / METRICS_FILE, -1)  # a fresh start logs everything anew
             return False
-        self.check_compatible(restored.meta)
         self.state = abstract.replace(**restored.state)
         self.step = self.restored_step = int(restored.step)
         self.meta.update({k: restored.meta[k] for k in ("best", "wandb_run_id") if k in restored.meta})
         truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
         return True
 
+    def warm_start(self, abstract: TrainState) -> None:
+        """Initialize a new run from another run's checkpoint: its parameters (fresh optimizer,
+        step 0), or with run.init_mode=full its whole state."""
+        state_dir = ckpt.find_state_dir(self.spec.run.init_from)
+        try:
+            if self.spec.run.init_mode == "full":
+                tree = ckpt.restore_tree(state_dir, self.state_tree(abstract), partial=False)
+                self.state = abstract.replace(**tree)
+            else:
+                tree = ckpt.restore_tree(state_dir, {"params": abstract.params}, partial=True)
+                self.state = self.state.replace(params=tree["params"])
+        except (ValueError, KeyError) as err:
+            raise UserError(
+                f"Cannot warm start from {state_dir}: {str(err).splitlines()[0][:300]}. Fix: the source run "
+                "must have the same model shapes (and, with run.init_mode=full, the same optimizer)."
+            ) from None
+        if jax.process_index() == 0:
+            print(f"warm start: {self.spec.run.init_mode} from {state_dir}", flush=True)
+
     def check_compatible(self, saved: Mapping[str, Any]) -> None:
-        """Refuse to resume a checkpoint of another model or other data."""
+        """Refuse to resume a checkpoint of another model, or of other data unless allowed."""
         shapes = saved.get("model_shapes")
         if shapes is not None and shapes != self.meta["model_shapes"]:
             changed = sorted(k for k in set(shapes) | set(self.meta["model_shapes"])
                              if shapes.get(k) != self.meta["model_shapes"].get(k))
             raise UserError(
                 f"The checkpoints in {self.checkpointer.directory} are of a different model: parameter "
-                f"shapes differ at {', '.join(changed[:5])}. Fix: use the model settings of that run, "
-                "or a new run.dir for the new model."
+                f"shapes differ at {', '.join(changed[:5])}. Fix: use the model settings of that run "
+                "(see its spec.yaml), or a new run.dir for the new model."
             )
         fingerprint = saved.get("data_fingerprint")
         if fingerprint is not None and fingerprint != self.strategy.fingerprint:
+            if self.spec.checkpoint.allow_data_change:
+                self.warn(f"resuming on different data (fingerprint {fingerprint[:12]} -> "
+                          f"{self.strategy.fingerprint[:12]}), as checkpoint.allow_data_change allows")
+                return
             raise UserError(
                 f"The checkpoints in {self.checkpointer.directory} were trained on other data (data "
-                f"fingerprint {fingerprint[:12]} there, {self.strategy.fingerprint[:12]} now). Fix: use the "
-                "data settings of that run, or a new run.dir."
+                f"fingerprint {fingerprint[:12]} there, {self.strategy.fingerprint[:12]} now; sources "
+                f"there: {saved.get('spec', {}).get('data', {}).get('sources')}). Fix: use the data settings "
+                "of that run, set checkpoint.allow_data_change=true to continue on the new data on purpose, "
+                "or use a new run.dir."
             )
 
     def checkpoint_meta(self) -> dict[str, Any]:
@@ -363,6 +386,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if self.checkpointer.should_save(self.step):
             self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta())
             self._last_saved_step = self.step
+            if faults.armed("kill_after_save", self.step):
+                faults.die()
 
     # ================================================================== the loop
 
@@ -421,6 +446,9 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                         pending = None
                     if eval_due:
                         self._log_eval(logger)
+                    if faults.armed("kill_at_step", self.step):
+                        self.checkpointer.wait()
+                        faults.die()
                     self.maybe_save()
                     if self._stop_signal is not None:
                         break

@@ -47,8 +47,10 @@ def test_checkpoint_loads_with_plain_orbax(finished_run) -> None:
     tmp, _, _ = finished_run
     run_dir = next((tmp / "runs" / "gpt_tiny").iterdir())
     code = (
-        "import orbax.checkpoint as ocp, sys\n"
-        f"s = ocp.StandardCheckpointer().restore(r'{(run_dir / 'checkpoints' / '40' / 'state').absolute()}')\n"
+        "import jax, orbax.checkpoint as ocp, sys\n"
+        "with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:\n"
+        f"    s = c.restore(r'{(run_dir / 'checkpoints' / '40' / 'state').absolute()}', args=ocp.args.StandardRestore(\n"
+        "        fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])))\n"
         "print(int(s['step']), s['params']['wte']['embedding'].shape)\n"
         "assert 'runner' not in sys.modules\n"
     )
