@@ -13,6 +13,7 @@ save is never picked up; leftovers are removed when the manager opens.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,17 @@ def _preservation_policy(spec: CheckpointSpec) -> policies.PreservationPolicy:
     keep: list[policies.PreservationPolicy] = [policies.LatestN(spec.keep)]
     if spec.keep_every:
         keep.append(policies.EveryNSteps(spec.keep_every))
+    if spec.keep_best:
+        # BestN keeps the *last* n after sorting, so "min" sorts descending (reverse=True).
+        keep.append(policies.BestN(get_metric_fn=_best_value(spec), reverse=spec.best_mode == "min",
+                                   n=spec.keep_best, keep_checkpoints_without_metrics=False))
     return policies.AnyPreservationPolicy(keep)
+
+
+def _best_value(spec: CheckpointSpec) -> Callable[[dict[str, Any]], float]:
+    """A save's best_metric; a save made between evaluations (metrics {}) ranks last."""
+    worst = math.inf if spec.best_mode == "min" else -math.inf
+    return lambda metrics: float(metrics.get(spec.best_metric, worst))
 
 
 class Checkpointer:
@@ -68,6 +79,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=_save_policy(spec),
             preservation_policy=_preservation_policy(spec),
+            # With best_fn set orbax also writes each save's metrics (checkpoints/<step>/metrics),
+            # so the ranking survives restarts.
+            best_fn=_best_value(spec) if spec.keep_best else None,
+            best_mode=spec.best_mode,
             enable_async_checkpointing=spec.async_save,
             cleanup_tmp_directories=True,
             create=True,
@@ -96,11 +111,14 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.manager.should_save(step)
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], force: bool = False) -> bool:
-        """Start a save (asynchronous unless configured otherwise); returns whether it began."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], force: bool = False,
+             metrics: dict[str, float] | None = None) -> bool:
+        """Start a save (asynchronous unless configured otherwise); returns whether it began.
+        `metrics` (with checkpoint.keep_best: {best_metric: value}) rank it for BestN."""
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         try:
-            return self.manager.save(step, args=args, force=force)
+            return self.manager.save(step, args=args, force=force,
+                                     metrics=(metrics or {}) if self.spec.keep_best else None)
         except OSError as err:
             raise CheckpointWriteError(
                 f"Saving checkpoint step {step} into {self.directory} failed: {err}. Earlier checkpoints "
@@ -184,9 +202,9 @@ class Checkpointer:
         self.manager.reload()
 
 
-def find_state_dir(path: str | Path) -> Path:
+def find_state_dir(path: str | Path, key: str = "run.init_from") -> Path:
     """The `state` item of the newest checkpoint under a run directory, a checkpoints directory
-    or a step directory (for warm starts)."""
+    or a step directory (for warm starts and mode=eval; `key` names the setting in errors)."""
     p = Path(path)
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
@@ -195,7 +213,7 @@ def find_state_dir(path: str | Path) -> Path:
             if p.is_dir() else []
         if not steps:
             raise UserError(
-                f"run.init_from={str(path)!r} holds no complete checkpoint. Fix: point it at a run "
+                f"{key}={str(path)!r} holds no complete checkpoint. Fix: point it at a run "
                 "directory, its checkpoints/ directory, or one checkpoints/<step> directory."
             )
         p = p / str(steps[-1])

@@ -60,32 +60,50 @@ def precheck(overrides: Sequence[str]) -> Any:
 
 
 def write_resolved_spec(spec: Any) -> None:
+    """Write spec.yaml into the run directory (process 0), which also proves it is writable."""
     import jax
     from omegaconf import OmegaConf
 
     if jax.process_index() != 0:
         return
     run_dir = Path(spec.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "spec.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
-    os.replace(tmp, run_dir / "spec.yaml")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "spec.yaml.tmp"
+        tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
+        os.replace(tmp, run_dir / "spec.yaml")
+    except OSError as err:
+        raise UserError(f"Cannot write the run directory run.dir={spec.run.dir!r}: {err.strerror}. "
+                        "Fix: choose a writable location with free space for run.dir.") from None
 
 
 def execute(spec: Any) -> None:
     """Run one validated spec in this process."""
+    if spec.mode == "compile":  # one process: no cluster to join, no devices to claim
+        from runner.aot import run_compile
+
+        code = run_compile(spec)
+        if code:
+            sys.exit(code)
+        return
     from runner import distributed
 
     distributed.maybe_initialize(spec.distributed)  # before any other JAX use
     from runner.job import JOBS
     from runner.trainer import PREEMPTED_EXIT_CODE, Preempted
 
+    if spec.mode == "eval":  # evaluate a checkpoint's parameters; no training, run dir untouched
+        from runner.evaluation.standalone import spec_for_checkpoint
+
+        spec = spec_for_checkpoint(spec)
+        JOBS.get(spec.job.trainer)(spec).run_eval()
+        return
     if spec.mode != "train":
         raise UserError(f"mode={spec.mode} is not available yet in this version of runner. "
                         "Fix: use mode=train (the default).")
     job_class = JOBS.get(spec.job.trainer)
-    job = job_class(spec)
     write_resolved_spec(spec)
+    job = job_class(spec)
     try:
         job.run()
     except Preempted:

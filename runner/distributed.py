@@ -3,8 +3,9 @@
 Where the settings come from, first match wins: the `distributed.*` keys of the spec; the
 standard JAX variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); and
 JAX's own cluster auto-detection on Cloud TPU pods and SLURM allocations. A process that dies
-is noticed by the others through the coordinator's heartbeats: they exit non-zero within
-HEARTBEAT_TIMEOUT_S instead of waiting forever at a collective.
+is noticed by the others through the coordinator's heartbeats: they abort (non-zero exit) within
+`distributed.heartbeat_timeout_s` (default 60 s) plus a few seconds, instead of waiting forever
+at a collective.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 
 from runner.spec import DistributedSpec
 
-HEARTBEAT_TIMEOUT_S = 60
 INIT_TIMEOUT_S = 300
 
 _initialized = False
@@ -51,9 +51,20 @@ def maybe_initialize(spec: DistributedSpec) -> None:
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         # CPU processes need a cross-process collectives backend.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+    kwargs = dict(initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=spec.heartbeat_timeout_s)
     if auto:
         jax.distributed.initialize(**kwargs)
     else:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num, process_id=pid, **kwargs)
     _initialized = True
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is set on any process (a tiny allgather; call it on every process)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))

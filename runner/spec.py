@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import ConfigError
 
@@ -79,14 +80,23 @@ class MeshSpec(_Frozen):
 @dataclass(frozen=True)
 class SourceSpec(_Frozen):
     name: str = ""
-    path: str = "default"  # "default": the embedded corpus, prepared once into the cache
-    weight: float = 1.0
+    path: str = "default"  # "default": the embedded corpus; else a store directory or gs:// URL
+    weight: float = 1.0  # relative; 0: validation only
+
+
+@dataclass(frozen=True)
+class StageSpec(_Frozen):
+    """One stage of the `sequential` strategy: its sources train the steps before until_step."""
+
+    until_step: Optional[int] = None  # None: the last stage, to the end of training
+    sources: tuple[SourceSpec, ...] = ()
 
 
 @dataclass(frozen=True)
 class DataSpec(_Frozen):
-    strategy: str = "mixture"  # mixture | synthetic | import path
-    sources: tuple[SourceSpec, ...] = (SourceSpec(),)
+    strategy: str = "mixture"  # mixture | sequential | synthetic | import path
+    sources: tuple[SourceSpec, ...] = (SourceSpec(),)  # mixture
+    stages: tuple[StageSpec, ...] = ()  # sequential
     prefetch: int = 2
     num_threads: int = 2
 
@@ -122,11 +132,69 @@ class TrainSpec(_Frozen):
 
 
 @dataclass(frozen=True)
+class EvaluatorSpec(_Frozen):
+    """One entry of eval.evaluators: which evaluator, and its own settings. A bare name in the
+    list stands for an entry with only `name` set. Your own evaluator reads these (and anything
+    of its own under `options`); settings an evaluator does not use are ignored by it."""
+
+    name: str = "heldout"  # registered name, or an import path `pkg.module:Class`
+    label: str = ""  # prefix of its metric names; empty: the evaluator's default
+    every: Optional[int] = None  # steps between runs; None: eval.every; 0: at start and end only
+    rows: Optional[int] = None  # examples evaluated (windows per source, questions); None: eval.rows
+    path: str = ""  # its data file (multiple_choice: a JSONL of context/choices/gold)
+    prompts: tuple[str, ...] = ()  # generate: the prompts to continue
+    max_new_tokens: int = 32  # generate: tokens sampled per prompt
+    temperature: float = 0.0  # generate: 0 is greedy, > 0 samples
+    seed: int = 0  # generate: sampling seed (the same samples every time for the same weights)
+    # Free-form settings for your own evaluators (left out of the spec's hash: dicts have none).
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+EVALUATOR_SETTINGS = tuple(f.name for f in dataclasses.fields(EvaluatorSpec))
+
+
+def evaluator_spec(entry: Any, key: str) -> EvaluatorSpec:
+    """An eval.evaluators entry (a name, a mapping, or an EvaluatorSpec) as a typed EvaluatorSpec."""
+    if isinstance(entry, EvaluatorSpec):
+        return entry
+    if isinstance(entry, str):
+        return EvaluatorSpec(name=entry)
+    if isinstance(entry, DictConfig):
+        entry = OmegaConf.to_container(entry)
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ConfigError(key, entry, "an evaluator entry is a name or a mapping with a `name`.",
+                          "write e.g. `heldout` or `{name: generate, prompts: ['def ']}`.")
+    for name in entry:
+        if name not in EVALUATOR_SETTINGS:
+            raise ConfigError(f"{key}.{name}", entry[name], "it is not an evaluator setting.",
+                              f"use one of: {', '.join(EVALUATOR_SETTINGS)} (put settings of your own "
+                              "evaluator under `options`).")
+    try:
+        node = _thaw(OmegaConf.structured(EvaluatorSpec))
+        return OmegaConf.to_object(OmegaConf.merge(node, entry))  # type: ignore[return-value]
+    except OmegaConfBaseException as err:  # a value of the wrong type
+        setting = str(getattr(err, "full_key", "") or "").split(".")[0].split("[")[0]
+        problem = " ".join(str(err).split("\n")[0].split()).rstrip(".")
+        raise ConfigError(f"{key}.{setting}" if setting in entry else key, entry.get(setting, entry),
+                          f"{problem}.", "give the setting a value of its type (see EvaluatorSpec in "
+                          "runner/spec.py).") from None
+
+
+@dataclass(frozen=True)
 class EvalSpec(_Frozen):
     every: int = 100  # steps; 0 evaluates only at the end
     batch_size: int = 32
     rows: int = 64  # validation windows per source, the same ones every time
-    evaluators: tuple[str, ...] = ("heldout",)  # registered names or import paths
+    # Names (registered or import paths) or {name: ..., <EvaluatorSpec settings>} mappings; each
+    # becomes an EvaluatorSpec. Typed Any because OmegaConf has no str-or-dataclass union.
+    evaluators: tuple[Any, ...] = ("heldout",)
+    checkpoint: str = ""  # mode=eval: a run dir, its checkpoints/ or one checkpoints/<step>; empty: run.dir
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        entries = self.evaluators if isinstance(self.evaluators, (tuple, list)) else (self.evaluators,)
+        object.__setattr__(self, "evaluators", tuple(
+            evaluator_spec(e, f"eval.evaluators[{i}]") for i, e in enumerate(entries)))
 
 
 @dataclass(frozen=True)
@@ -138,6 +206,9 @@ class CheckpointSpec(_Frozen):
     async_save: bool = True
     on_damaged: str = "fallback"  # fallback to the previous complete checkpoint, or stop
     allow_data_change: bool = False  # resume a run although its data fingerprint changed
+    keep_best: int = 0  # also keep the K checkpoints with the best best_metric (0: off)
+    best_metric: str = ""  # a logged eval metric, e.g. eval/stdlib/loss
+    best_mode: str = "min"  # min | max: which end of best_metric is best
 
 
 @dataclass(frozen=True)
@@ -153,6 +224,8 @@ class DistributedSpec(_Frozen):
     coordinator_address: Optional[str] = None
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
+    heartbeat_timeout_s: int = 60  # a process silent this long is dead: the others exit non-zero
+    stop_check_every: int = 10  # steps between cross-process checks for a stop request (SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -190,18 +263,18 @@ def schema_node() -> DictConfig:
     """The spec as a Hydra schema. OmegaConf marks frozen dataclasses read-only; Hydra must
     merge overrides into it, so the flags are cleared while the types stay enforced."""
 
-    node = OmegaConf.structured(ExecutionSpec)
+    return _thaw(OmegaConf.structured(ExecutionSpec))
 
-    def thaw(n: Any) -> None:
-        n._set_flag("readonly", None)
-        if isinstance(n, DictConfig):
-            for key in n.keys():
-                thaw(n._get_node(key))
-        elif isinstance(n, ListConfig):
-            for i in range(len(n)):
-                thaw(n._get_node(i))
 
-    thaw(node)
+def _thaw(node: Any) -> Any:
+    """Clear OmegaConf's read-only flags (set for frozen dataclasses) on a node and its children."""
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            _thaw(node._get_node(key))
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            _thaw(node._get_node(i))
     return node
 
 
@@ -330,10 +403,20 @@ def validate(spec: ExecutionSpec) -> None:
     _positive("eval.every", spec.eval.every, allow_zero=True)
     _positive("eval.batch_size", spec.eval.batch_size)
     _positive("eval.rows", spec.eval.rows)
-    from runner.evaluation import EVALUATORS
+    from runner.evaluation import evaluator_class
 
-    for name in spec.eval.evaluators:
-        EVALUATORS.get(name)
+    for i, ev in enumerate(spec.eval.evaluators):
+        key = f"eval.evaluators[{i}]"
+        cls = evaluator_class(ev.name, f"{key}.name")
+        if ev.every is not None:
+            _positive(f"{key}.every", ev.every, allow_zero=True)
+        if ev.rows is not None:
+            _positive(f"{key}.rows", ev.rows)
+        _positive(f"{key}.max_new_tokens", ev.max_new_tokens)
+        _positive(f"{key}.temperature", ev.temperature, allow_zero=True)
+        check = getattr(cls, "check", None)
+        if callable(check):  # an evaluator's own checks of its settings (files, prompts, ...)
+            check(spec, ev, key)
 
     c = spec.checkpoint
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
@@ -341,11 +424,18 @@ def validate(spec: ExecutionSpec) -> None:
     _positive("checkpoint.keep", c.keep)
     _positive("checkpoint.keep_every", c.keep_every, allow_zero=True)
     _one_of("checkpoint.on_damaged", c.on_damaged, ON_DAMAGED)
+    _positive("checkpoint.keep_best", c.keep_best, allow_zero=True)
+    _one_of("checkpoint.best_mode", c.best_mode, ("min", "max"))
+    if c.keep_best and not c.best_metric:
+        raise ConfigError("checkpoint.best_metric", c.best_metric, "checkpoint.keep_best needs a metric to rank by.",
+                          "name a logged eval metric, e.g. checkpoint.best_metric=eval/stdlib/loss.")
 
     _one_of("run.init_mode", spec.run.init_mode, ("params", "full"))
     _one_of("logging.wandb", spec.logging.wandb, WANDB_MODES)
     _one_of("logging.progress", spec.logging.progress, PROGRESS_STYLES)
     d = spec.distributed
+    _positive("distributed.heartbeat_timeout_s", d.heartbeat_timeout_s)
+    _positive("distributed.stop_check_every", d.stop_check_every)
     if d.num_processes is not None:
         _positive("distributed.num_processes", d.num_processes)
     if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:

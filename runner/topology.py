@@ -288,9 +288,12 @@ def aot_topology_args(topology: Topology) -> dict[str, Any]:
 
     ``get_topology_desc(**aot_topology_args(t)).devices`` gives compile-only devices for
     ``mode=compile`` (this needs libtpu installed, not TPU hardware). The spelling follows
-    MaxText's accelerator table: ``v4:2x2x4`` with ``chip_config_name="megacore"`` and
-    ``chips_per_host_bounds=(2, 2, 1)``; v5p is spelled ``v5:...``. The v2/v3 spellings follow
-    the same pattern but are unverified against libtpu.
+    MaxText's accelerator table: ``v4:2x2x4``, v5p spelled ``v5:...``, ``v5e:4x4``, ``v6e:2x4``.
+    Checked against libtpu 0.0.42.1 for v2, v3, v4, v5p, v5e and v6e, single- and multi-slice
+    (``tests/test_aot.py`` keeps it checked): every argument matters there. Without
+    ``chip_config_name="megacore"`` a v4/v5p slice has one device per TensorCore (twice too
+    many), and without ``chips_per_host_bounds=(2, 4, 1)`` an 8-chip v5e/v6e host becomes two
+    hosts.
     """
     if topology.platform != "tpu" or topology.chip is None or topology.physical_shape is None:
         raise ConfigError(

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import json
 import math
+import os
 import signal
 import time
 from functools import partial
@@ -28,6 +31,7 @@ from flax.training import train_state
 
 from runner import checkpoint as ckpt
 from runner import faults
+from runner.distributed import any_process
 from runner.data.loader import BatchLoader
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.errors import UserError
@@ -62,20 +66,22 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     logical_axis_rules: Sequence[tuple[str, Any]] = ()
 
-    def __init__(self, spec: ExecutionSpec) -> None:
+    def __init__(self, spec: ExecutionSpec, devices: Sequence[Any] | None = None) -> None:
+        """``devices`` defaults to ``jax.devices()``; mode=compile passes a topology's
+        compile-only devices instead, so the same mesh and shardings exist without the hardware."""
         super().__init__(spec)
         assert spec.topology, "ExecutionSpec.topology is required"
         self.topology = parse_topology(spec.topology)
-        check_devices(self.topology, jax.devices())
-        shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, jax.device_count())
-        self.mesh = make_mesh(shape, num_slices=max(self.topology.num_slices or 1, 1))
+        self.devices = list(jax.devices() if devices is None else devices)
+        check_devices(self.topology, self.devices)
+        shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, len(self.devices))
+        self.mesh = make_mesh(shape, self.devices, num_slices=max(self.topology.num_slices or 1, 1))
         self.model_config: C = self.config_from_spec(spec)
         self.model: M = self.build_model(self.model_config)
         self.strategy: DatasetStrategy = build_strategy(spec.data.strategy, spec.data)
         self.check_vocab()
         self.lr_schedule = self._schedule()
         self.tx = self._optimizer()
-        self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", spec.checkpoint)
         self.state: Optional[TrainState] = None
         self.state_sharding: Any = None
         self.step = 0
@@ -83,6 +89,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.meta: dict[str, Any] = {"best": {}, "wandb_run_id": None}
         self.last_metrics: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
+        self.last_texts: dict[str, str] = {}  # text made by the latest evaluation (samples)
+        self._measured: Optional[tuple[int, float]] = None  # (step, checkpoint.best_metric) last evaluated
         self._last_saved_step: Optional[int] = None
         self._stop_signal: Optional[int] = None
         self._compiled: dict[str, Any] = {}
@@ -115,6 +123,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 f"{self.strategy.vocab_size}, or use data prepared with a smaller tokenizer."
             )
 
+    @functools.cached_property
+    def checkpointer(self) -> ckpt.Checkpointer:
+        """Opened on first use, so mode=compile never touches (or cleans up in) the run directory."""
+        return ckpt.Checkpointer(self.run_dir / "checkpoints", self.spec.checkpoint)
+
     # ================================================================== seed API
 
     @property
@@ -135,8 +148,20 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return variables, sharding
 
     def evaluator(self) -> Optional[Evaluator[M] | Sequence[Evaluator[M]]]:
-        """What the job evaluates with (by default, what eval.evaluators configures)."""
+        """What the job evaluates with (by default, what eval.evaluators configures). Called
+        once per job (see `evaluators`), so evaluators may keep their prepared data."""
         return build_evaluators(self.spec)
+
+    @functools.cached_property
+    def evaluators(self) -> list[Evaluator[M]]:
+        """`evaluator()` as a list, built once."""
+        chosen = self.evaluator()
+        return [] if chosen is None else (list(chosen) if isinstance(chosen, Sequence) else [chosen])
+
+    def eval_every(self, evaluator: Evaluator[M]) -> int:
+        """An evaluator's cadence in steps: its own `every` if it has one, else eval.every."""
+        every = getattr(evaluator, "every", None)
+        return self.spec.eval.every if every is None else int(every)
 
     @classmethod
     def optimizer(cls) -> str | optax.GradientTransformation:
@@ -199,18 +224,20 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     @classmethod
     def val_step(cls, state: TrainState, batch: Batch) -> Tuple[jax.Array, jax.Array, Any]:
-        """Summed validation loss over S micro-batches: (loss_sum, token_count, last_meta)."""
+        """Summed validation loss over S micro-batches: (loss_sum, token_count, {"correct": the
+        number of real targets that are the argmax prediction})."""
 
         def one(carry, micro):
             logits = state.apply_fn({"params": state.params}, micro["x"], deterministic=True)
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
             mask = micro["mask"].astype(jnp.float32)
             correct = (jnp.argmax(logits, -1) == micro["y"]).astype(jnp.float32) * mask
-            loss_sum, count = carry
-            return (loss_sum + jnp.sum(losses * mask), count + jnp.sum(mask)), {"correct": jnp.sum(correct)}
+            loss_sum, count, right = carry
+            return (loss_sum + jnp.sum(losses * mask), count + jnp.sum(mask), right + jnp.sum(correct)), None
 
-        (loss_sum, count), metas = jax.lax.scan(one, (jnp.zeros(()), jnp.zeros(())), batch)
-        return loss_sum, count, jax.tree.map(lambda m: m[-1], metas)
+        zero = jnp.zeros((), jnp.float32)
+        (loss_sum, count, correct), _ = jax.lax.scan(one, (zero, zero, zero), batch)
+        return loss_sum, count, {"correct": correct}
 
     # ================================================================== building blocks
 
@@ -377,14 +404,18 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def save(self, suffix: Path | None = None, wait: bool = True) -> None:
         """Save the current state (unless this step is saved already) and wait for it."""
         if self.state is not None and self._last_saved_step != self.step:
-            self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta(), force=True)
+            self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta(), force=True,
+                                   metrics=self._best_metrics())
             self._last_saved_step = self.step
         if wait:
             self.checkpointer.wait()
 
     def maybe_save(self) -> None:
-        if self.checkpointer.should_save(self.step):
-            self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta())
+        # With checkpoint.keep_best, every evaluation of best_metric is saved, so it can be kept.
+        measured = self._best_metrics()
+        if measured is not None or self.checkpointer.should_save(self.step):
+            self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta(),
+                                   force=measured is not None, metrics=measured)
             self._last_saved_step = self.step
             if faults.armed("kill_after_save", self.step):
                 faults.die()
@@ -398,14 +429,38 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
 
-    def evaluate(self) -> dict[str, float]:
-        chosen = self.evaluator()
-        evaluators = [] if chosen is None else (list(chosen) if isinstance(chosen, Sequence) else [chosen])
-        results: dict[str, float] = {}
+    def _stop_agreed(self) -> bool:
+        """Stop at this step boundary? Every process must agree, so with several processes the
+        local flags are combined every `distributed.stop_check_every` steps (not every step:
+        that would be a host sync per step)."""
+        if jax.process_count() == 1:
+            return self._stop_signal is not None
+        if self.step % self.spec.distributed.stop_check_every:
+            return False
+        return any_process(self._stop_signal is not None)
+
+    def prepare_evaluators(self) -> None:
+        """Let each evaluator load and check its data now, so a bad file or prompt stops the job
+        before training (or before the first evaluation of a resumed run)."""
         with self._context():
-            for ev in evaluators:
+            for ev in self.evaluators:
+                prepare = getattr(ev, "prepare", None)
+                if callable(prepare):
+                    prepare(self)
+
+    def evaluate(self, only: Optional[Sequence[Evaluator[M]]] = None) -> dict[str, float]:
+        """Run the evaluators (or `only` these) on the current state: metrics as `eval/<name>`;
+        their texts, if any, go to `last_texts`."""
+        results: dict[str, float] = {}
+        texts: dict[str, str] = {}
+        with self._context():
+            for ev in self.evaluators if only is None else only:
                 results.update({f"eval/{k}": float(v) for k, v in ev.evaluate(self, self.state).items()})
-        self.last_eval = results
+                made = getattr(ev, "texts", None)
+                if callable(made):
+                    texts.update({f"eval/{k}": str(v) for k, v in made().items()})
+        self.last_eval = {**self.last_eval, **results}
+        self.last_texts = texts
         return results
 
     def train(self) -> None:
@@ -425,6 +480,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         try:
             if self.restored_step:
                 logger.progress.message(f"resumed from step {self.restored_step} ({self.checkpointer.directory})")
+            self.prepare_evaluators()
             if self.step == 0:  # the baseline every later evaluation is compared with
                 self._log_eval(logger)
             timer = Timer(self.step, total)
@@ -440,25 +496,28 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                     if pending is not None:
                         self._report(logger, timer, *pending, tokens_per_step, loader)
                     pending = (self.step, metrics)
-                    eval_due = spec.eval.every and self.step % spec.eval.every == 0 and self.step < total
-                    if eval_due or self._stop_signal is not None:
+                    stop = self._stop_agreed()
+                    eval_due = [ev for ev in self.evaluators if self.step < total
+                                and self.eval_every(ev) and self.step % self.eval_every(ev) == 0]
+                    if eval_due or stop:
                         self._report(logger, timer, *pending, tokens_per_step, loader)
                         pending = None
                     if eval_due:
-                        self._log_eval(logger)
+                        self._log_eval(logger, eval_due)
                     if faults.armed("kill_at_step", self.step):
                         self.checkpointer.wait()
                         faults.die()
-                    self.maybe_save()
-                    if self._stop_signal is not None:
+                    if stop:
                         break
+                    self.maybe_save()
                 if pending is not None:
                     self._report(logger, timer, *pending, tokens_per_step, loader)
-            if self._stop_signal is not None:
+            if self._stop_signal is not None or self.step < total:
                 self.save()
+                why = (f"signal {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None
+                       else "a stop request from another process")
                 logger.progress.message(
-                    f"stopped by signal {signal.Signals(self._stop_signal).name} at step {self.step}; "
-                    f"checkpoint saved. Rerun the same command to resume.")
+                    f"stopped by {why} at step {self.step}; checkpoint saved. Rerun the same command to resume.")
                 raise Preempted()
             self._log_eval(logger)
             self.save()
@@ -503,12 +562,60 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if step % self.spec.train.log_every == 0 or step == self.spec.train.steps:
             logger.log(step, {k: values[k] for k in sorted(values)})
 
-    def _log_eval(self, logger: MetricsLogger) -> None:
-        results = self.evaluate()
-        if results:
-            logger.log(self.step, results)
-            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in results.items() if k.endswith("loss"))
-            logger.progress.message(f"eval @ step {self.step}: {shown}")
+    def _log_eval(self, logger: MetricsLogger, only: Optional[Sequence[Evaluator[M]]] = None) -> None:
+        """Evaluate, log metrics and texts (metrics.jsonl strings, a wandb table), show the
+        headline numbers, and note checkpoint.best_metric for best-K checkpoints."""
+        results = self.evaluate(only)
+        texts = self.last_texts
+        if results or texts:
+            logger.log(self.step, {**results, **texts})
+            wandb_run = getattr(logger, "wandb_run", None)
+            if texts and wandb_run is not None:
+                import wandb
+
+                table = wandb.Table(columns=["step", "name", "text"],
+                                    data=[[self.step, k, v] for k, v in texts.items()])
+                wandb_run.log({"eval/texts": table}, step=self.step)
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in results.items()
+                              if k.endswith(("/loss", "/acc", "/acc_norm")))
+            logger.progress.message(f"eval @ step {self.step}: {shown or f'{len(results)} metrics'}")
+        self._note_best(results, complete=only is None)
+
+    def _best_metric(self) -> str:
+        name = self.spec.checkpoint.best_metric
+        return name if name.startswith("eval/") else f"eval/{name}"
+
+    def _note_best(self, results: Mapping[str, float], complete: bool) -> None:
+        """Remember this evaluation's best_metric (saved with this step's checkpoint) and keep
+        meta["best"], the best value so far and its step, in every checkpoint's meta."""
+        c = self.spec.checkpoint
+        if not c.keep_best:
+            return
+        name = self._best_metric()
+        if name not in results:
+            if complete and results:
+                problem = (f"checkpoint.best_metric={c.best_metric!r} is not a metric the evaluators log. "
+                           f"Fix: use one of: {', '.join(sorted(results))}.")
+                if self.step == 0:
+                    raise UserError(problem)
+                self.warn(problem)
+            return
+        if self.step == 0:  # the untrained baseline is never saved, so it is no candidate
+            return
+        value = float(results[name])
+        self._measured = (self.step, value)
+        best = self.meta.get("best") or {}
+        if best.get("metric") != name or best.get("mode") != c.best_mode:
+            best = {}
+        if not best or (value < best["value"] if c.best_mode == "min" else value > best["value"]):
+            best = {"metric": name, "mode": c.best_mode, "step": self.step, "value": value}
+        self.meta["best"] = best
+
+    def _best_metrics(self) -> Optional[dict[str, float]]:
+        """{best_metric: value} when it was evaluated at this very step (else None)."""
+        if not self.spec.checkpoint.keep_best or self._measured is None or self._measured[0] != self.step:
+            return None
+        return {self._best_metric(): self._measured[1]}
 
     def _summary(self, logger: MetricsLogger, seconds: float) -> None:
         spec = self.spec
@@ -525,3 +632,54 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         lines.append(f"  checkpoint: {self.checkpointer.directory / str(self.step)}")
         lines.append(f"  metrics:    {self.run_dir / METRICS_FILE}")
         logger.progress.message("\n".join(lines))
+
+    # ================================================================== mode=eval
+
+    def run_eval(self) -> dict[str, Any]:
+        """mode=eval: restore only the parameters (and step) of the checkpoint eval.checkpoint
+        names (else the newest under run.dir), run every configured evaluator once, and write
+        eval_results.json into that checkpoint's step directory. Nothing is reused: a rerun
+        recomputes and replaces the file. No optimizer state is read or built."""
+        from runner.evaluation.standalone import RESULTS_FILE, checkpoint_step_dir
+
+        step_dir = checkpoint_step_dir(self.spec)
+        abstract, sharding = self.abstract_state()
+        wanted = {"step": abstract.step, "params": abstract.params, "rng": abstract.rng}
+        try:
+            tree = ckpt.restore_tree(step_dir / ckpt.STATE, wanted, partial=True)
+        except (ValueError, KeyError) as err:
+            raise UserError(
+                f"Cannot evaluate {step_dir}: its parameters do not fit this model "
+                f"({str(err).splitlines()[0][:300]}). Fix: evaluate it with the model settings it was "
+                "trained with (its checkpoints/<step>/meta holds them), or point eval.checkpoint elsewhere."
+            ) from None
+        self.state_sharding = sharding.replace(opt_state=())
+        self.state = TrainState(step=tree["step"], apply_fn=self.model.apply, params=tree["params"],  # type: ignore[attr-defined]
+                                tx=self.tx, opt_state=(), rng=tree["rng"])
+        self.step = int(tree["step"])
+        self.prepare_evaluators()
+        t0 = time.perf_counter()
+        metrics = self.evaluate()
+        record = {
+            "step": self.step,
+            "checkpoint": str(step_dir),
+            "metrics": metrics,
+            "texts": self.last_texts,
+            "evaluators": self.spec.to_dict()["eval"]["evaluators"],
+            "topology": self.spec.topology,
+            "devices": jax.device_count(),
+            "processes": jax.process_count(),
+            "seconds": time.perf_counter() - t0,
+            "computed_unix": time.time(),
+        }
+        if jax.process_index() == 0:
+            out = step_dir / RESULTS_FILE
+            tmp = out.with_name(f".{RESULTS_FILE}.tmp")
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, out)
+            lines = [f"Evaluated {step_dir} (step {self.step}) in {record['seconds']:.1f}s:"]
+            lines += [f"  {k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items()]
+            lines += [f"  {k.removeprefix('eval/')}: {v!r}" for k, v in self.last_texts.items()]
+            lines.append(f"  results: {out}")
+            print("\n".join(lines), flush=True)
+        return record

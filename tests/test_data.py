@@ -331,3 +331,259 @@ def test_batch_layout_errors(numbered: Path) -> None:
     assert "multiple of 4" in str(err.value)
     with pytest.raises(ConfigError, match="processes"):
         BatchLoader(ds, global_batch=6, accumulate_steps=2, start_step=0, process_count=2)
+
+
+# ----------------------------------------------------------------------------- tokenizers (issue 5)
+
+
+TOKENIZER_TEXTS = [f"def f{i}(x):\n    return x * {i}  # the café ✓ {i}\n" * 3 for i in range(40)]
+
+
+def test_tokenizer_registry_and_specs(tmp_path: Path) -> None:
+    from runner.data.tokenizer import TrainedBPE, load_tokenizer, parse_tokenizer_spec
+
+    assert {"byte", "hf", "tiktoken", "train-bpe"} <= set(TOKENIZERS.names())
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert parse_tokenizer_spec("hf:dir/tokenizer.json")[1] == "dir/tokenizer.json"
+    with pytest.raises(ConfigError, match="no tokenizer of that kind") as err:
+        parse_tokenizer_spec("spm:x.model")
+    assert err.value.key == "--tokenizer"
+    with pytest.raises(ConfigError, match="at least 257"):
+        TrainedBPE.parse_vocab_size("12")
+    with pytest.raises(ValueError, match="trained"):
+        load_tokenizer("train-bpe:300")
+
+
+def test_hf_tokenizer_round_trip_and_eod(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as Core, models, pre_tokenizers
+
+    from runner.data.tokenizer import HFTokenizer, TrainedBPE, load_tokenizer
+
+    trained = TrainedBPE.train(iter(TOKENIZER_TEXTS), 300)
+    assert (trained.name, trained.vocab_size, trained.eod_id, trained.eod_token) == ("hf", 300, 0, "<|endoftext|>")
+    assert TrainedBPE.train(iter(TOKENIZER_TEXTS), 300).data == trained.data  # deterministic
+    (tmp_path / "tokenizer.json").write_bytes(trained.data)
+    tok = load_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}")
+    ids = tok.encode(TOKENIZER_TEXTS[3])
+    assert len(ids) < len(TOKENIZER_TEXTS[3].encode()) and tok.decode(ids) == TOKENIZER_TEXTS[3]
+    assert tok.decode(np.concatenate([ids, [tok.eod_id, 10**6]])) == TOKENIZER_TEXTS[3]
+    # A literal "<|endoftext|>" in a document is text, not a document boundary.
+    assert tok.eod_id not in tok.encode("a <|endoftext|> b").tolist()
+    # A vocabulary without an end-of-text token gets one extra id.
+    plain = Core(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    plain.add_tokens(["hello"])
+    no_eod = HFTokenizer(plain.to_str().encode())
+    assert no_eod.eod_token is None and no_eod.vocab_size == no_eod.eod_id + 1
+    with pytest.raises(ConfigError, match="no such token") as err:
+        HFTokenizer(trained.data, "<eos>")
+    assert err.value.key == "--eod-token"
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a valid Hugging Face tokenizer.json"):
+        load_tokenizer(f"hf:{tmp_path / 'broken.json'}")
+
+
+def test_tiktoken_round_trip(tmp_path: Path) -> None:
+    from runner.data.tokenizer import load_tokenizer
+    from tests.test_prepare import write_tiktoken
+
+    ranks = write_tiktoken(tmp_path / "r50k_tiny.tiktoken")  # the name says which regex: gpt2's
+    tok = load_tokenizer(f"tiktoken:{tmp_path / 'r50k_tiny.tiktoken'}")
+    assert (tok.vocab_size, tok.eod_id, tok.pattern) == (len(ranks) + 1, len(ranks), "gpt2")
+    ids = tok.encode("the thing in the ring")
+    assert ranks.index(b" the") in ids.tolist() and tok.decode(ids) == "the thing in the ring"
+    assert tok.decode(np.append(ids, tok.eod_id)) == "the thing in the ring"
+    (tmp_path / "bad.tiktoken").write_text("not base64 at all\n")
+    with pytest.raises(ConfigError, match="not a valid tiktoken rank file"):
+        load_tokenizer(f"tiktoken:{tmp_path / 'bad.tiktoken'}", tiktoken_pattern="cl100k")
+
+
+# ----------------------------------------------------------------------------- zarr3 stores
+
+
+def test_zarr3_store_through_token_store_open(tmp_path: Path) -> None:
+    docs = [np.arange(i * 1000, i * 1000 + 700) for i in range(30)]
+    flat = TokenStore.open(make_store(tmp_path / "flat", docs))
+    zarr = write_store(tmp_path / "zarr", {"train": docs, "val": [np.arange(100)]}, IdTokenizer(), [{"kind": "test"}],
+                       format="zarr3")
+    assert zarr.format == "runner-zarr3-v1" and zarr.fingerprint == flat.fingerprint
+    reopened = TokenStore.open(tmp_path / "zarr")  # the same TokenStore.open, dispatching on meta.format
+    train = reopened.tokens("train")
+    assert len(train) == len(flat.tokens("train")) == 30 * 701
+    assert np.array_equal(train[5000:6025], flat.tokens("train")[5000:6025])
+    assert np.array_equal(np.asarray(reopened.tokens("val")), np.asarray(flat.tokens("val")))
+    with pytest.raises(UserError, match="already exists"):
+        write_store(tmp_path / "zarr", {"train": docs, "val": []}, IdTokenizer(), [], format="zarr3")
+
+
+def test_gs_urls_use_the_same_kvstore_spec_code() -> None:
+    """No bucket here: check that a gs:// location becomes tensorstore's gcs kvstore, split arrays
+    included, through the very function local stores use."""
+    from runner.data.store import kvstore_spec
+
+    assert kvstore_spec("gs://bucket/stores/web/").to_json() == {"driver": "gcs", "bucket": "bucket",
+                                                                "path": "stores/web/"}
+    assert (kvstore_spec("gs://bucket/stores/web") / "train/").to_json()["path"] == "stores/web/train/"
+    assert kvstore_spec("/data/web").to_json() == {"driver": "file", "path": "/data/web/"}
+
+
+def test_corrupt_stores_are_named(tmp_path: Path) -> None:
+    docs = [np.arange(3000)]
+
+    def zarr_store(name: str) -> Path:
+        write_store(tmp_path / name, {"train": docs, "val": [np.arange(50)]}, IdTokenizer(), [], format="zarr3")
+        return tmp_path / name
+
+    path = make_store(tmp_path / "badjson", docs)
+    (path / "meta.json").write_text("{ truncated")
+    with pytest.raises(UserError, match="Corrupt token store .*meta.json cannot be read"):
+        TokenStore.open(path)
+    path = make_store(tmp_path / "badformat", docs)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "format": "parquet-v9"}))
+    with pytest.raises(UserError, match="format 'parquet-v9'"):
+        TokenStore.open(path)
+    path = zarr_store("nometa-count")
+    meta = json.loads((path / "meta.json").read_text())
+    meta["splits"]["train"]["tokens"] += 5
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"the train array is uint16\[3001\] but meta.json says uint16\[3006\]"):
+        TokenStore.open(path)
+    path = zarr_store("noarray")
+    (path / "val" / "zarr.json").unlink()
+    with pytest.raises(UserError, match="the val array cannot be opened"):
+        TokenStore.open(path)
+    path = zarr_store("truncated")
+    shard = next(p for p in (path / "train").rglob("*") if p.is_file() and p.name != "zarr.json")
+    shard.write_bytes(shard.read_bytes()[:40])
+    strategy = mixture((path, 1))
+    with pytest.raises(UserError, match="Corrupt token store .*a chunk cannot be read"):
+        strategy.train(64, seed=0)[0]
+
+
+def test_store_with_an_empty_val_split_is_not_evaluated(tmp_path: Path) -> None:
+    path = make_store(tmp_path / "trainonly", [np.arange(500)], val=[])
+    path_short = make_store(tmp_path / "shortval", [np.arange(500)], val=[np.arange(3)])
+    empty = TokenStore.open(path)
+    assert len(empty.tokens("val")) == 0
+    assert len(mixture((path, 1)).validation(16, 8)["trainonly"]) == 0
+    with pytest.raises(ConfigError, match="val split has 4 tokens, too few"):
+        mixture((path_short, 1)).validation(16, 8)
+
+
+def test_seq_len_longer_than_a_zarr3_store_can_serve(tmp_path: Path) -> None:
+    write_store(tmp_path / "z", {"train": [np.arange(100)], "val": [np.arange(10)]}, IdTokenizer(), [], format="zarr3")
+    with pytest.raises(ConfigError, match=r"101 tokens, too few .*train.seq_len=128.*below 100") as err:
+        mixture((tmp_path / "z", 1)).train(128, seed=0)
+    assert err.value.key == "data.sources[0].path"
+
+
+def test_stores_of_different_tokenizers_do_not_mix(tmp_path: Path, numbered: Path) -> None:
+    byte = write_store(tmp_path / "byte", {"train": [np.arange(200)], "val": []}, ByteTokenizer(), [])
+    with pytest.raises(ConfigError, match="mix only stores prepared with the same tokenizer") as err:
+        mixture((numbered, 1), (byte.location, 1))
+    assert err.value.key == "data.sources[1].path"
+
+
+# ----------------------------------------------------------------------------- exact mixture blocks
+
+
+def test_integer_proportions() -> None:
+    from runner.data.strategies import integer_proportions
+
+    assert integer_proportions([3, 1]) == (3, 1)
+    assert integer_proportions([0.3, 0.7]) == (3, 7)
+    assert integer_proportions([1 / 3, 2 / 3]) == (1, 2)
+    assert integer_proportions([0.25, 0.25, 0.5]) == (1, 1, 2)
+    assert integer_proportions([2.5, 1]) == (5, 2)
+
+
+def test_each_block_of_batches_holds_exactly_the_proportions(tmp_path: Path) -> None:
+    """0.3 : 0.7 -> blocks of 3 + 7 = 10 rows; at a global batch of 4, lcm(10, 4) / 4 = 5 steps."""
+    low = make_store(tmp_path / "low", [np.arange(0, 4000)])
+    high = make_store(tmp_path / "high", [np.arange(30000, 34000)])
+    strategy = mixture((low, 0.3), (high, 0.7))
+    assert strategy.block_rows == 10 and strategy.block_steps(4) == 5 and strategy.block_steps(256) == 5
+    loader = BatchLoader(strategy.train(4, seed=2, global_batch=4), global_batch=4, accumulate_steps=2, start_step=0)
+    steps = 60
+    from_low = np.array([(loader.batch_at(s)["x"][..., 0] < 30000).sum() for s in range(steps)])
+    assert (from_low.reshape(-1, 5).sum(axis=1) == 6).all()  # 6 of every 20 rows, in every block of 5 steps
+    assert len(set(from_low[:5].tolist())) > 1  # not trivially per step: single steps vary
+    loader.close()
+    # grain's own `mix` would have rescaled 3:7 to 100:233 and drifted from 30%.
+    assert from_low.sum() == 0.3 * steps * 4
+
+
+# ----------------------------------------------------------------------------- sequential
+
+
+def sequential(*stages: tuple[int | None, list[tuple[Path, float]]]) -> DatasetStrategy:
+    return build_strategy("sequential", {"stages": [
+        {**({"until_step": until} if until is not None else {}),
+         "sources": [{"path": str(p), "weight": w} for p, w in sources]}
+        for until, sources in stages]})
+
+
+def test_sequential_switches_stages_at_steps(tmp_path: Path) -> None:
+    a = make_store(tmp_path / "a", [np.arange(0, 4000)])
+    b = make_store(tmp_path / "b", [np.arange(30000, 34000)])
+    strategy = sequential((3, [(a, 1)]), (7, [(a, 1), (b, 1)]), (None, [(b, 1)]))
+    assert strategy.vocab_size == 2**16 and [strategy.stage_at(s) for s in (0, 2, 3, 6, 7, 10**6)] == [0, 0, 1, 1, 2, 2]
+    loader = BatchLoader(strategy.train(4, seed=5, global_batch=8), global_batch=8, accumulate_steps=2, start_step=0)
+    share_b = [float((loader.batch_at(s)["x"][..., 0] >= 30000).mean()) for s in range(12)]
+    assert share_b == [0.0] * 3 + [0.5] * 4 + [1.0] * 5  # 1:1 is exact in every step of 8 rows
+    # A pure function of (seed, settings, step): a fresh strategy and a loader started late agree.
+    again = sequential((3, [(a, 1)]), (7, [(a, 1), (b, 1)]), (None, [(b, 1)]))
+    late = BatchLoader(again.train(4, seed=5, global_batch=8), global_batch=8, accumulate_steps=2, start_step=6)
+    assert again.fingerprint == strategy.fingerprint
+    for step in (6, 7, 40):
+        assert same_batch(late.batch_at(step), loader.batch_at(step))
+    assert same_batch(next(late), loader.batch_at(6))
+    # Boundaries are steps, so they move with the batch size; until_step is part of the fingerprint.
+    other = BatchLoader(strategy.train(4, seed=5, global_batch=4), global_batch=4, accumulate_steps=1, start_step=0)
+    assert [float((other.batch_at(s)["x"][..., 0] >= 30000).mean()) for s in (2, 3)] == [0.0, 0.5]
+    assert sequential((4, [(a, 1)]), (7, [(a, 1), (b, 1)]), (None, [(b, 1)])).fingerprint != strategy.fingerprint
+    assert set(strategy.validation(4, 2)) == {"a", "b"}
+    with pytest.raises(ValueError, match="global_batch"):
+        strategy.train(4, seed=5)
+    for each in (loader, late, other):
+        each.close()
+
+
+def test_sequential_from_the_typed_spec(tmp_path: Path) -> None:
+    from runner.spec import spec_from_dict
+
+    a = make_store(tmp_path / "a", [np.arange(0, 400)])
+    b = make_store(tmp_path / "b", [np.arange(30000, 30400)])
+    spec = spec_from_dict({"data": {"strategy": "sequential", "stages": [
+        {"until_step": 2, "sources": [{"path": str(a)}]}, {"sources": [{"path": str(b), "weight": 2}]}]}})
+    strategy = build_strategy(spec.data.strategy, spec.data)
+    assert strategy.fingerprint == sequential((2, [(a, 1)]), (None, [(b, 2)])).fingerprint
+    assert build_strategy("mixture", spec.data).fingerprint != strategy.fingerprint  # mixture ignores stages
+
+
+def test_sequential_config_errors(tmp_path: Path, numbered: Path) -> None:
+    other = make_store(tmp_path / "numbered2", [np.arange(300)])
+    (tmp_path / "x").mkdir()
+    renamed = make_store(tmp_path / "x" / "numbered", [np.arange(300)])
+
+    def key_of(stages: object) -> str:
+        with pytest.raises(ConfigError) as err:
+            build_strategy("sequential", {"stages": stages})
+        return err.value.key
+
+    src = [{"path": str(numbered)}]
+    assert key_of([]) == "data.stages"
+    assert key_of([{"until_step": 5, "sources": src}]) == "data.stages[0].until_step"  # the last runs to the end
+    assert key_of([{"sources": src}, {"sources": src}]) == "data.stages[0].until_step"
+    assert key_of([{"until_step": 5, "sources": src}, {"until_step": 5, "sources": src},
+                   {"sources": src}]) == "data.stages[1].until_step"
+    assert key_of([{"until_step": 5, "sources": src}, {"sources": [{"path": str(other), "weight": 0}]}]) \
+        == "data.stages[1].sources"
+    assert key_of([{"until_step": 5, "sources": src}, {"sources": [{"path": str(other), "weight": -2}]}]) \
+        == "data.stages[1].sources[0].weight"
+    assert key_of([{"until_step": 5, "sources": src}, {"soruces": src}]) == "data.stages[1].soruces"
+    assert key_of([{"until_step": 5}, {"sources": src}]) == "data.stages[0].sources"
+    assert key_of([{"until_step": 5, "sources": src}, {"sources": [{"path": str(renamed)}]}]) \
+        == "data.stages[1].sources[0].name"  # two stores both called "numbered"
+    assert key_of([{"sources": [{"path": str(tmp_path / "nope")}]}]) == "data.stages[0].sources[0].path"

@@ -90,6 +90,6 @@ def test_four_fake_devices_with_fsdp(tmp_path) -> None:
 
 
 def test_topology_mismatch_stops_before_training(tmp_path) -> None:
-    result = run_runner(["topology=v4-32", "job.model.vocab_size=320", "logging.wandb=disabled"], tmp_path)
+    result = run_runner(["topology=v4-32", "train.batch_size=16", "logging.wandb=disabled"], tmp_path)
     assert result.returncode == 2
     assert "mode=compile" in result.stderr and "Traceback" not in result.stderr

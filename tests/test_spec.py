@@ -108,9 +108,3 @@ def test_cfg_job_prints_the_resolved_config(tmp_path) -> None:
     result = run_runner(["--cfg", "job", "train.steps=17"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "steps: 17" in result.stdout and "trainer: gpt" in result.stdout
-
-
-def test_unavailable_mode_says_so(tmp_path) -> None:
-    result = run_runner(["mode=compile", "logging.wandb=disabled"], tmp_path, timeout=300)
-    assert result.returncode == 2
-    assert "mode=compile is not available" in result.stderr

@@ -1,14 +1,33 @@
-"""The Evaluator protocol and registry: anything that turns a train state into metrics.
+"""The Evaluator protocol, the registry, and what every evaluator needs (rows split by process).
+
+An evaluator is anything with a ``name`` and ``evaluate(trainer, state) -> {metric: float}``.
+The trainer prefixes the names with ``eval/`` and logs them. Optional parts, used when present:
+
+* ``every: int | None``: its cadence in steps (None: ``eval.every``; 0: only at start and end);
+* ``prepare(trainer)``: called once before the first evaluation, so bad data or prompts stop
+  the job before training rather than mid-run;
+* ``texts() -> {name: str}``: text made by the latest ``evaluate`` (samples, say). Metrics are
+  floats; this is the side channel for text, logged as string fields of metrics.jsonl and as a
+  wandb table;
+* a classmethod ``check(spec, settings, key)``: checks of its settings at config time (exit 2
+  before any device work).
 
 A user's own evaluator is selected from config by import path (``my_pkg.evals:MyEvaluator``)
-with no change to runner; it is constructed with the ExecutionSpec.
+with no change to runner. Every evaluator is constructed as ``cls(spec, settings)``, where
+``settings`` is its ``runner.spec.EvaluatorSpec`` entry of ``eval.evaluators``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+import math
+from typing import TYPE_CHECKING, Any, Generic, Mapping, Optional, Protocol, Sequence, TypeVar, runtime_checkable
 
+import jax
+import numpy as np
+
+from runner.errors import ConfigError, UserError
 from runner.registry import Registry
+from runner.spec import EvaluatorSpec
 
 if TYPE_CHECKING:
     from runner.spec import ExecutionSpec
@@ -28,6 +47,125 @@ class Evaluator(Protocol, Generic[M]):
 EVALUATORS: Registry[type] = Registry("evaluator", "eval.evaluators")
 
 
+def evaluator_class(name: str, key: str = "eval.evaluators") -> type:
+    """The evaluator class registered as `name` or at import path `name`; a mistake lists the
+    built-in names whatever went wrong."""
+    try:
+        cls = EVALUATORS.get(name)
+    except ConfigError as err:
+        problem = str(err).split("`: ", 1)[-1].split(" Fix:")[0]
+        raise ConfigError(key, name, problem, f"use one of the built-in evaluators ({', '.join(EVALUATORS.names())}) "
+                          "or the import path of your own, `my_pkg.module:MyEvaluator`, whose module is importable "
+                          "(on PYTHONPATH).") from None
+    if not callable(cls) or not hasattr(cls, "evaluate"):
+        raise ConfigError(key, name, "it is not an evaluator class (it has no `evaluate` method).",
+                          f"name a class with `name` and `evaluate(trainer, state)`, or one of: "
+                          f"{', '.join(EVALUATORS.names())}.")
+    return cls
+
+
 def build_evaluators(spec: "ExecutionSpec") -> Sequence[Evaluator[Any]]:
-    """The evaluators the spec lists, each constructed with the spec."""
-    return [EVALUATORS.get(name)(spec) for name in spec.eval.evaluators]
+    """The evaluators the spec lists, each constructed with (spec, its settings)."""
+    return [evaluator_class(s.name, f"eval.evaluators[{i}]")(spec, s) for i, s in enumerate(spec.eval.evaluators)]
+
+
+class EvaluatorBase:
+    """Convenience base for evaluators: keeps the spec and settings, resolves the cadence and
+    the number of rows against the eval.* defaults, and has no-op optional hooks."""
+
+    name = ""
+    default_label = ""
+
+    def __init__(self, spec: "ExecutionSpec", settings: Optional[EvaluatorSpec] = None) -> None:
+        self.spec = spec
+        self.settings = settings or EvaluatorSpec(name=self.name)
+        self.every: int = spec.eval.every if self.settings.every is None else self.settings.every
+        self.rows: int = spec.eval.rows if self.settings.rows is None else self.settings.rows
+        self.label: str = self.settings.label or self.default_label
+        self._texts: dict[str, str] = {}
+
+    @property
+    def config_key(self) -> str:
+        """Where this evaluator's settings are in the config, for error messages."""
+        entries = self.spec.eval.evaluators
+        return f"eval.evaluators[{entries.index(self.settings)}]" if self.settings in entries else "eval.evaluators"
+
+    def key(self, metric: str) -> str:
+        """A metric name under this evaluator's label."""
+        return f"{self.label}/{metric}" if self.label else metric
+
+    def prepare(self, trainer: Any) -> None:
+        """Load and check data once, before the first evaluation."""
+
+    def texts(self) -> Mapping[str, str]:
+        return dict(self._texts)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def text_tokenizer(trainer: Any, key: str) -> Any:
+    """The tokenizer of the training data, for evaluators that turn text into tokens: the
+    strategy's own `load_tokenizer()` if it has one, else its first store's, else the
+    registered tokenizer of that name."""
+    from runner.data.tokenizer import TOKENIZERS
+
+    strategy = trainer.strategy
+    name = getattr(strategy, "tokenizer", None)
+    if name and callable(getattr(strategy, "load_tokenizer", None)):
+        return strategy.load_tokenizer()
+    sources = getattr(strategy, "sources", None) or ()
+    store = getattr(sources[0], "store", None) if sources else None
+    if name and callable(getattr(store, "load_tokenizer", None)):
+        return store.load_tokenizer()
+    if not name:
+        raise UserError(
+            f"The evaluator {key} works on text, but data.strategy={trainer.spec.data.strategy} has no "
+            "tokenizer (its tokens are not text). Fix: train on text data (a token store, or `default`), "
+            "or remove that evaluator from eval.evaluators."
+        )
+    return TOKENIZERS.get(name)()
+
+
+def batch_ways(trainer: Any) -> int:
+    """How many ways the mesh splits a batch (data x fsdp)."""
+    shape = trainer.mesh.shape
+    return int(shape.get("data", 1) * shape.get("fsdp", 1))
+
+
+def global_batch(count: int, trainer: Any, batch_size: int | None = None) -> int:
+    """Rows per evaluation batch: `batch_size` (eval.batch_size), or for a small job the fewest
+    rows that hold `count` and split evenly over the mesh and the processes."""
+    if batch_size is not None:
+        return batch_size
+    unit = math.lcm(batch_ways(trainer), jax.process_count())
+    return max(unit, -(-count // unit) * unit)
+
+
+def process_batches(rows: Sequence[Mapping[str, np.ndarray]], batch: int) -> list[dict[str, np.ndarray]]:
+    """Split rows into global batches of `batch` (the last padded with blank rows, whose `id`
+    is -1 and `mask` 0) and keep this process's share of each: the same rows on any topology."""
+    if not rows:
+        return []
+    procs, me = jax.process_count(), jax.process_index()
+    per_proc = batch // procs
+    blank = {k: (np.full_like(v, -1) if k == "id" else np.zeros_like(v)) for k, v in rows[0].items()}
+    padded = list(rows) + [blank] * (-len(rows) % batch)
+    out = []
+    for start in range(0, len(padded), batch):
+        mine = padded[start + me * per_proc: start + (me + 1) * per_proc]
+        out.append({k: np.stack([r[k] for r in mine]) for k in rows[0]})
+    return out
+
+
+def to_global(trainer: Any, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays with the batch (leading) axis split over the mesh."""
+    from runner.mesh import batch_sharding
+
+    sharding = batch_sharding(trainer.mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+
+
+def replicated(trainer: Any) -> jax.sharding.NamedSharding:
+    """Outputs every process can read whole."""
+    return jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec())

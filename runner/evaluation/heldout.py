@@ -1,75 +1,91 @@
 """Held-out loss, perplexity, bits per byte and next-token accuracy on each validation source.
 
-The evaluated windows are the first `eval.rows` of each source's validation split: the same
-ones at every evaluation and after a resume, whatever the topology.
+The evaluated windows are the first `rows` (the evaluator's own, else `eval.rows`) of each
+source's validation split: the same ones at every evaluation and after a resume, whatever the
+topology. Metric names are `<source>/loss` etc. (with the evaluator's label in front if it has
+one), plus `all/...` over every source, weighted by token count, when there are several.
+
+Bits per byte need the bytes behind each token. With the byte tokenizer that is 1 (an
+end-of-document token counts as one byte); a dataset strategy with another tokenizer can say
+so with a `bytes_per_token` attribute (a float, or {source: float}). Without either, the
+metric is `bits_per_token` instead, so a number is never mislabelled.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
 
-from runner.evaluation.base import EVALUATORS
-from runner.spec import ExecutionSpec
+from runner.evaluation.base import EVALUATORS, EvaluatorBase, process_batches
+from runner.spec import EvaluatorSpec, ExecutionSpec
 
 
 @EVALUATORS.register("heldout")
-class HeldOutLoss:
+class HeldOutLoss(EvaluatorBase):
     name = "heldout"
 
-    def __init__(self, spec: ExecutionSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ExecutionSpec, settings: Optional[EvaluatorSpec] = None) -> None:
+        super().__init__(spec, settings)
         self._batches: dict[str, list[dict[str, np.ndarray]]] | None = None
 
-    def _prepare(self, trainer: Any) -> dict[str, list[dict[str, np.ndarray]]]:
+    def prepare(self, trainer: Any) -> None:
         """Validation rows per source, padded (mask 0) to whole eval batches; this process's rows."""
-        rows, batch = self.spec.eval.rows, self.spec.eval.batch_size
-        procs, me = jax.process_count(), jax.process_index()
-        per_proc = batch // procs
+        if self._batches is not None:
+            return
         out: dict[str, list[dict[str, np.ndarray]]] = {}
-        for source, dataset in trainer.strategy.validation(self.spec.train.seq_len, rows).items():
-            examples = [dataset[i] for i in range(min(rows, len(dataset)))]
-            if not examples:
-                continue
-            pad = -len(examples) % batch
-            blank = {k: np.zeros_like(v) for k, v in examples[0].items()}
-            examples += [blank] * pad
-            batches = []
-            for start in range(0, len(examples), batch):
-                mine = examples[start + me * per_proc: start + (me + 1) * per_proc]
-                batches.append({k: np.stack([e[k] for e in mine])[None] for k in ("x", "y", "mask")})
-            out[source] = batches
-        return out
+        for source, dataset in trainer.strategy.validation(self.spec.train.seq_len, self.rows).items():
+            examples = [dataset[i] for i in range(min(self.rows, len(dataset)))]
+            if examples:
+                out[source] = [{k: v[None] for k, v in b.items()}  # one micro-batch: (1, B, T)
+                               for b in process_batches([{k: e[k] for k in ("x", "y", "mask")} for e in examples],
+                                                        self.spec.eval.batch_size)]
+        self._batches = out
 
     def evaluate(self, trainer: Any, state: Any) -> Mapping[str, float]:
-        if self._batches is None:
-            self._batches = self._prepare(trainer)
+        self.prepare(trainer)
+        assert self._batches is not None
         val_step = trainer.compiled_val_step()
-        # With the byte-level tokenizer one token is one byte, so bits per token are bits per byte.
-        unit = "byte" if getattr(trainer.strategy, "tokenizer", None) == "byte" else "token"
+        bytes_per_token = _bytes_per_token(trainer.strategy)
         results: dict[str, float] = {}
-        totals = [0.0, 0.0, 0.0]
+        totals = np.zeros(4)  # nats, tokens, correct, bytes
         for source, batches in self._batches.items():
             loss_sum, count, correct = 0.0, 0.0, 0.0
             for local in batches:
                 s, c, meta = jax.device_get(val_step(state, trainer.to_device(local)))
                 loss_sum, count, correct = loss_sum + float(s), count + float(c), correct + float(meta["correct"])
-            for i, v in enumerate((loss_sum, count, correct)):
-                totals[i] += v
-            results.update(_metrics(f"{source}/", loss_sum, count, correct, unit))
+            ratio = bytes_per_token(source)
+            nbytes = float("nan") if ratio is None else count * ratio
+            totals += (loss_sum, count, correct, nbytes)
+            results.update(heldout_metrics(self.key(source), loss_sum, count, correct, nbytes))
         if len(self._batches) > 1:  # all sources together, weighted by their token counts
-            results.update(_metrics("all/", *totals, unit))
+            results.update(heldout_metrics(self.key("all"), *totals))
         return results
 
 
-def _metrics(prefix: str, loss_sum: float, count: float, correct: float, unit: str) -> dict[str, float]:
+def _bytes_per_token(strategy: Any) -> Any:
+    """source -> bytes per token, or None when unknown."""
+    declared = getattr(strategy, "bytes_per_token", None)
+    if declared is None and getattr(strategy, "tokenizer", None) == "byte":
+        declared = 1.0
+    if isinstance(declared, Mapping):
+        return lambda source: declared.get(source)
+    return lambda source: declared
+
+
+def heldout_metrics(prefix: str, loss_sum: float, count: float, correct: float, nbytes: float) -> dict[str, float]:
+    """Mean loss (nats per token), perplexity, bits per byte (bits per token when the byte count
+    is NaN, i.e. unknown) and next-token accuracy, from sums over the evaluated tokens."""
     loss = loss_sum / max(count, 1.0)
-    return {
-        f"{prefix}loss": loss,
-        f"{prefix}perplexity": math.exp(min(loss, 50.0)),
-        f"{prefix}bits_per_{unit}": loss / math.log(2),
-        f"{prefix}accuracy": correct / max(count, 1.0),
+    out = {
+        f"{prefix}/loss": loss,
+        f"{prefix}/perplexity": math.exp(min(loss, 50.0)),
+        f"{prefix}/accuracy": correct / max(count, 1.0),
     }
+    if math.isnan(nbytes):
+        out[f"{prefix}/bits_per_token"] = loss / math.log(2)
+    else:
+        out[f"{prefix}/bits_per_byte"] = loss_sum / math.log(2) / max(nbytes, 1e-12)
+    return out

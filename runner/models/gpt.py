@@ -35,6 +35,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
 )
 
+KVCache = tuple[jax.Array, jax.Array]  # one layer's cached (keys, values), (B, L, N, H) each
+
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "full": None,  # save nothing: recompute the whole block on the backward pass
@@ -121,7 +123,11 @@ class CausalSelfAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cache: KVCache | None = None,
+                 index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Full causal attention, or with ``cache`` (this layer's keys and values, (B, L, N, H)
+        each) attention of the new tokens at per-row positions ``index + t`` over the cache,
+        into which their keys and values are written. Returns (output, updated cache or None)."""
         cfg = self.cfg
         def proj(name: str) -> jax.Array:
             y = nn.Einsum(
@@ -136,7 +142,18 @@ class CausalSelfAttention(nn.Module):
             return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
 
         q, k, v = proj("query"), proj("key"), proj("value")
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        if cache is None:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        else:
+            assert index is not None, "decoding with a cache needs each row's start position"
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
+            cached_k = write(cache[0], k.astype(cache[0].dtype), index)
+            cached_v = write(cache[1], v.astype(cache[1].dtype), index)
+            query_pos = index[:, None] + jnp.arange(x.shape[1])  # (B, T)
+            key_pos = jnp.arange(cached_k.shape[1])  # (L,)
+            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, L): causal over the cache
+            y = jax.nn.dot_product_attention(q, cached_k, cached_v, mask=mask[:, None])
+            cache = (cached_k, cached_v)
         y = nn.Einsum(
             (cfg.n_heads, cfg.head_dim, cfg.d_model),
             "btnh,nhd->btd",
@@ -146,7 +163,7 @@ class CausalSelfAttention(nn.Module):
             bias_init=_zeros(("embed",)),
             name="out",
         )(y)
-        return nn.Dropout(cfg.dropout, deterministic=self.deterministic)(y)
+        return nn.Dropout(cfg.dropout, deterministic=self.deterministic)(y), cache
 
 
 class MLP(nn.Module):
@@ -179,26 +196,45 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; ``(carry, _) -> (carry, None)`` to fit ``nn.scan``."""
+    """Pre-norm transformer block; ``(carry, cache) -> (carry, new cache)`` to fit ``nn.scan``
+    (the cache is None when training, and this layer's (keys, values) when decoding)."""
 
     cfg: GPTConfig
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, cache: KVCache | None = None,
+                 index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
-        x = x + CausalSelfAttention(cfg, self.deterministic, name="attn")(_layer_norm(cfg, "ln_1")(x))
+        y, cache = CausalSelfAttention(cfg, self.deterministic, name="attn")(_layer_norm(cfg, "ln_1")(x), cache, index)
+        x = x + y
         x = x + MLP(cfg, self.deterministic, name="mlp")(_layer_norm(cfg, "ln_2")(x))
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 
 class GPT(nn.Module):
-    """GPT-2 language model: ``int32[B, T] -> float32[B, T, vocab]`` logits."""
+    """GPT-2 language model: ``int32[B, T] -> float32[B, T, vocab]`` logits.
+
+    Decoding with a KV cache uses the same call and the same weights: pass ``cache`` (from
+    ``init_cache``) and ``index`` (each row's position of its first new token) and get
+    ``(logits, updated cache)``. A prompt is fed once (index 0), then one token at a time.
+    """
 
     cfg: GPTConfig
 
+    def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
+        """An empty cache for ``batch`` rows of up to ``length`` positions: keys and values
+        stacked over layers, (n_layers, batch, length, n_heads, head_dim) each."""
+        cfg = self.cfg
+        if length > cfg.context_length:
+            raise ValueError(f"cache length {length} exceeds context_length {cfg.context_length}")
+        shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.head_dim)
+        return {"key": jnp.zeros(shape, cfg.dtype), "value": jnp.zeros(shape, cfg.dtype)}
+
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
+                 cache: dict[str, jax.Array] | None = None,
+                 index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         _, seq_len = tokens.shape
         if seq_len > cfg.context_length:
@@ -218,7 +254,12 @@ class GPT(nn.Module):
             embedding_init=_init(0.02, (None, "embed")),
             name="wpe",
         )
-        x = wte(tokens) + wpe(jnp.arange(seq_len))[None]
+        if cache is None:
+            x = wte(tokens) + wpe(jnp.arange(seq_len))[None]
+        else:
+            index = jnp.asarray(index, jnp.int32)
+            x = wte(tokens) + wpe(index[:, None] + jnp.arange(seq_len))
+            layer_caches = (cache["key"], cache["value"])
         x = nn.Dropout(cfg.dropout, deterministic=deterministic)(x)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -227,18 +268,26 @@ class GPT(nn.Module):
             # Under scan the loop boundary already stops XLA from CSE-ing the
             # recomputation away, so prevent_cse would only cost performance.
             block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICIES[cfg.remat])
+        new_cache = None
         if cfg.scan_layers:
-            # One compiled block, parameters stacked on a leading "layers" axis.
-            x, _ = nn.scan(
+            # One compiled block, parameters stacked on a leading "layers" axis (and so is the
+            # cache: each layer's slice is scanned in, the updated slices stacked back).
+            x, new_cache = nn.scan(
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
+                in_axes=(0, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, deterministic, name="blocks")(x, None)
+            )(cfg, deterministic, name="blocks")(x, None if cache is None else layer_caches, index)
         else:
+            updated = []
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, deterministic, name=f"block_{i}")(x, None)
+                layer = None if cache is None else (layer_caches[0][i], layer_caches[1][i])
+                x, layer = block(cfg, deterministic, name=f"block_{i}")(x, layer, index)
+                updated.append(layer)
+            if cache is not None:
+                new_cache = tuple(jnp.stack([u[j] for u in updated]) for j in range(2))
 
         x = _layer_norm(cfg, "ln_f")(x)
         if cfg.tie_embeddings:
@@ -251,8 +300,11 @@ class GPT(nn.Module):
                 kernel_init=_init(0.02, ("embed", "vocab")),
                 name="lm_head",
             )(x)
-        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
-        return logits.astype(jnp.float32)
+        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+        if cache is None:
+            return logits
+        assert new_cache is not None
+        return logits, {"key": new_cache[0], "value": new_cache[1]}
 
 
 def param_count(cfg: GPTConfig, include_embeddings: bool = True) -> int:

@@ -1,0 +1,395 @@
+"""``mode=compile``: compile the real train step for a topology, without its hardware.
+
+A pod slice is expensive to wait for and to hold, so whether a job fits should be known before
+one is requested. For a TPU topology this builds the job's trainer on the *compile-only*
+devices that libtpu describes for that slice (``jax.experimental.topologies``), so the mesh,
+the state and batch shardings and the jitted step are exactly the ones training would use.
+The step is lowered with abstract values (``ShapeDtypeStruct``) and compiled by the TPU
+compiler on this machine: no array is ever placed on an accelerator. For ``cpu-N`` and
+``auto`` the same happens on the local devices, which keeps the report testable on CPU CI.
+
+The report gives per-device memory from ``compiled.memory_analysis()`` against the chip's HBM,
+FLOPs per step from ``compiled.cost_analysis()`` beside the analytic count, and a verdict:
+exit 0 when the step fits, ``DOES_NOT_FIT_EXIT_CODE`` when it does not (so it can gate a
+launch), and 2 for a usage error such as libtpu not being installed. The last line of stdout
+is the same report as one JSON object, for scripts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Sequence
+
+from runner.errors import UserError
+from runner.spec import ExecutionSpec
+from runner.topology import GiB, Topology, aot_topology_args, parse_topology
+
+# Exit code of mode=compile when the train step does not fit in device memory.
+DOES_NOT_FIT_EXIT_CODE = 3
+
+INSTALL_TPU_EXTRA = "pip install -e '.[tpu]'"
+
+
+class LibtpuMissing(UserError):
+    """A TPU topology needs the TPU compiler, which ships in the libtpu wheel."""
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Per-device bytes of one compiled program (XLA's CompiledMemoryStats)."""
+
+    argument: int  # inputs: the train state and the batch
+    output: int  # the new state and the metrics
+    alias: int  # outputs written in place of donated inputs (the state)
+    temp: int  # activations, gradients, optimizer scratch
+    generated_code: int
+
+    @property
+    def total(self) -> int:
+        """Peak footprint: donated state is counted once, as MaxText's memory report does."""
+        return self.argument + self.output - self.alias + self.temp + self.generated_code
+
+
+@dataclass
+class CompileReport:
+    """Everything ``mode=compile`` says; ``to_json`` is the line scripts read."""
+
+    job: str
+    topology: str
+    devices: int
+    device_kind: str
+    mesh: dict[str, int]
+    batch_size: int
+    seq_len: int
+    accumulate_steps: int
+    parameters: int
+    limit_bytes: int | None  # per device
+    limit_source: str
+    fits: bool
+    compile_seconds: float
+    sharded_argument_bytes: int = 0  # state + batch on one device, from the shardings alone
+    memory: MemoryUse | None = None  # None when the compiler refused (out of memory)
+    compiler_error: str | None = None
+    required_bytes: int | None = None  # what the compiler said it needed, when it refused
+    available_bytes: int | None = None  # what it said it had (usable HBM), when it refused
+    flops_per_device: float | None = None  # compiled cost analysis, one device, one step
+    flops_loops_counted_once: bool = False  # the program has loops; XLA counts each body once
+    analytic_flops: float | None = None  # whole step, all devices (6N + attention)
+    peak_flops_per_device: float | None = None
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        if self.memory is not None:
+            data["memory"]["total"] = self.memory.total
+        return json.dumps({"report": "compile", **data})
+
+    def text(self) -> str:
+        """The human-readable report."""
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        micro = f"{self.accumulate_steps} micro-batches" if self.accumulate_steps > 1 else "1 micro-batch"
+        lines = [
+            f"Compiled the {self.job} train step for {self.topology}: {self.devices} x {self.device_kind},"
+            f" mesh {mesh}, in {self.compile_seconds:.1f}s",
+            f"  batch {self.batch_size} x {self.seq_len} tokens ({micro}), {self.parameters:,} parameters",
+            "",
+            "  memory per device",
+        ]
+        limit = "unknown" if self.limit_bytes is None else _size(self.limit_bytes)
+        if self.memory is not None:
+            m = self.memory
+            rows = [("arguments (state + batch)", m.argument), ("outputs (state + metrics)", m.output),
+                    ("donated (counted once)", -m.alias), ("temporaries", m.temp),
+                    ("generated code", m.generated_code)]
+            lines += [f"  {name:<28}{_size(value):>12}" for name, value in rows]
+            share = "" if not self.limit_bytes else f" ({100 * m.total / self.limit_bytes:.1f}%)"
+            lines.append(f"  {'total':<28}{_size(m.total):>12}   of {limit} {self.limit_source}{share}")
+        else:
+            lines.append(f"  {'arguments (state + batch)':<28}{_size(self.sharded_argument_bytes):>12}"
+                         "   from the shardings")
+            said = [f"needs {_size(self.required_bytes)}"] if self.required_bytes is not None else []
+            if self.available_bytes is not None:
+                said.append(f"{_size(self.available_bytes)} usable")
+            said.append(f"{limit} {self.limit_source}")
+            lines.append(f"  the compiler ran out of device memory ({', '.join(said)}):")
+            lines.append(f"    {self.compiler_error}")
+        lines.append("")
+        flops = []
+        if self.flops_per_device is not None:
+            flops.append(f"compiled {self.flops_per_device:.3e} per device"
+                         f" ({self.flops_per_device * self.devices:.3e} in all)")
+        if self.analytic_flops is not None:
+            ratio = ""
+            if self.flops_per_device:
+                ratio = f", compiled/analytic {self.flops_per_device * self.devices / self.analytic_flops:.2f}"
+            flops.append(f"analytic 6N + attention {self.analytic_flops:.3e} in all{ratio}")
+        if flops:
+            lines.append(f"  FLOPs per step: {'; '.join(flops)}")
+        if self.flops_loops_counted_once:
+            lines.append("    (XLA's cost analysis counts a loop body once, so scanned layers"
+                         " (job.model.scan_layers) and accumulation steps are undercounted in the"
+                         " compiled figure; the analytic one is the MFU numerator)")
+        per_device = self.analytic_flops / self.devices if self.analytic_flops else self.flops_per_device
+        if per_device and self.peak_flops_per_device:
+            lines.append(f"  at peak bf16 FLOP/s ({self.peak_flops_per_device:.3g} per device) a step takes at least"
+                         f" {1e3 * per_device / self.peak_flops_per_device:.3g} ms")
+        if self.fits:
+            lines.append(f"fits: yes, the train step fits on {self.topology} (exit 0)")
+        else:
+            lines.append(f"fits: NO, the train step does not fit on {self.topology} (exit {DOES_NOT_FIT_EXIT_CODE})."
+                         " Lower train.batch_size or raise train.accumulate_steps, shard the state with"
+                         " mesh.fsdp, use job.model.remat=full, or pick a larger slice.")
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{sign}{n / scale:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[list[str]]:
+    """Holds back C-level stderr (libtpu's warnings about not running on a TPU VM); the text
+    is handed back so it can be shown if the call it wrapped fails."""
+    captured: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.append(sink.read().decode(errors="replace"))
+
+
+def _libtpu_installed() -> bool:
+    if os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", "")):
+        return True
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _prefer_local_cpu(topology: Topology) -> None:
+    """Keep JAX's own backend on the CPU (a TPU VM's chips may be training) and, for cpu-N,
+    give it N devices; both only work before JAX starts a backend, and an explicit
+    JAX_PLATFORMS is left alone."""
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return
+    if topology.platform == "tpu" and not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    if topology.platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", topology.num_devices)
+
+
+def compile_devices(topology: Topology) -> list[Any]:
+    """The devices to compile for: libtpu's compile-only devices for a TPU slice, else the
+    local ones (the trainer checks they are the topology that was named)."""
+    import jax
+
+    _prefer_local_cpu(topology)
+    if topology.platform == "gpu":
+        local = jax.devices()
+        if not local or local[0].platform not in ("gpu", "cuda", "rocm"):
+            raise UserError(
+                f"mode=compile for topology={topology.name} needs those GPUs: without the hardware,"
+                " ahead-of-time compilation is only available for TPU topologies. Fix: run it on a"
+                " machine with the GPUs, or name a TPU slice (e.g. topology=v5p-8), cpu-N or auto."
+            )
+    if topology.platform != "tpu":
+        return list(jax.devices())
+    if not _libtpu_installed():
+        raise LibtpuMissing(
+            f"mode=compile for topology={topology.name} compiles with the TPU compiler, which ships in"
+            f" the libtpu wheel, and libtpu is not installed for {sys.executable}. Fix: install runner's"
+            f" tpu extra, `{INSTALL_TPU_EXTRA}` in the runner checkout, and run the same command"
+            " again; no TPU is needed. (Or use topology=cpu-N or auto to compile for the local devices.)"
+        )
+    from jax.experimental import topologies
+
+    args = aot_topology_args(topology)
+    # Compile-only use needs no chips, so do not take libtpu's one-process-per-machine lock:
+    # a training job, or any JAX process that probed for a TPU, may hold it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    with _quiet_stderr() as noise:
+        try:
+            devices = list(topologies.get_topology_desc(**args).devices)
+        except Exception as err:  # libtpu's errors are RuntimeError/JaxRuntimeError/ValueError
+            failure = err
+        else:
+            failure = None
+    if failure is not None:
+        detail = str(failure).strip().splitlines()[0][:400] if str(failure).strip() else type(failure).__name__
+        raise UserError(
+            f"libtpu could not describe topology={topology.name} (get_topology_desc with {args}): {detail}."
+            f" Fix: make sure libtpu is the version runner pins (`{INSTALL_TPU_EXTRA}`); libtpu's log"
+            f" said: {' '.join(''.join(noise).split())[:600] or 'nothing'}"
+        )
+    if len(devices) != topology.num_devices:
+        raise UserError(
+            f"libtpu describes {topology.name} with {len(devices)} devices, but runner expects"
+            f" {topology.num_devices}. Fix: install the libtpu version runner pins, `{INSTALL_TPU_EXTRA}`."
+        )
+    return devices
+
+
+def abstract_batch(job: Any) -> dict[str, Any]:
+    """The (S, B/S, T) batch of one step as ShapeDtypeStructs with the trainer's sharding; the
+    per-row shapes and dtypes come from one example of the job's own data pipeline."""
+    import jax
+
+    from runner.mesh import microbatch_sharding
+
+    t = job.spec.train
+    example = job.strategy.train(t.seq_len, job.spec.seed)[0]
+    sharding = microbatch_sharding(job.mesh)
+    rows = t.batch_size // t.accumulate_steps
+    return {k: jax.ShapeDtypeStruct((t.accumulate_steps, rows, *v.shape), v.dtype, sharding=sharding)
+            for k, v in example.items()}
+
+
+def _limit(topology: Topology, devices: Sequence[Any]) -> tuple[int | None, str]:
+    """Per-device memory budget and where it comes from."""
+    if topology.platform == "tpu" and topology.chip is not None:
+        return topology.chip.hbm_bytes_per_device, f"{topology.chip.name} HBM (nominal)"
+    try:
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # CPU devices and some plugins do not implement it
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), "device memory (bytes_limit)"
+    if topology.chip is not None:
+        return topology.chip.hbm_bytes_per_device, f"{topology.chip.name} HBM (nominal)"
+    if devices and devices[0].platform == "cpu":
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None, "(host memory unknown)"
+        local = sum(1 for d in devices if d.process_index == devices[0].process_index)
+        return ram // local, f"host RAM / {local} device{'' if local == 1 else 's'}"
+    return None, "(device memory unknown)"
+
+
+# XLA:TPU's out-of-memory messages: "the total memory required for HLO temporaries (31.58G)
+# exceeds available HBM (30.75G)", or "Used 40.5G of 31.25G hbm". Sizes are binary units.
+_REQUIRED = re.compile(r"required[^(]*\(([\d.]+)([KMGT])\)|Used ([\d.]+)([KMGT]) of", re.IGNORECASE)
+_AVAILABLE = re.compile(r"available[^(]*\(([\d.]+)([KMGT])\)|Used [\d.]+[KMGT] of ([\d.]+)([KMGT])",
+                        re.IGNORECASE)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _bytes_in(pattern: re.Pattern[str], message: str) -> int | None:
+    m = pattern.search(message)
+    if m is None:
+        return None
+    number, unit = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+    return int(float(number) * _UNITS[unit.upper()])
+
+
+def _sharded_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    import jax
+    import numpy as np
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    value = (cost or {}).get("flops")
+    return float(value) if value is not None and value >= 0 else None
+
+
+def _analytic_flops(job: Any) -> float | None:
+    from runner.models.gpt import GPTConfig, flops_per_token
+
+    if not isinstance(job.model_config, GPTConfig):
+        return None
+    t = job.spec.train
+    return flops_per_token(job.model_config, t.seq_len) * t.batch_size * t.seq_len
+
+
+def compile_report(spec: ExecutionSpec) -> CompileReport:
+    """Build the job on the topology's devices, lower and compile its train step, and size it."""
+    import jax
+
+    from runner.job import JOBS
+
+    topology = parse_topology(spec.topology)
+    devices = compile_devices(topology)
+    job = JOBS.get(spec.job.trainer)(spec, devices=devices)
+    abstract, job.state_sharding = job.abstract_state()
+    batch = abstract_batch(job)
+    step = job.compiled_train_step()
+    limit, limit_source = _limit(topology, devices)
+    report = CompileReport(
+        job=spec.job.name, topology=topology.name, devices=len(devices),
+        device_kind=str(getattr(devices[0], "device_kind", devices[0].platform)),
+        mesh={str(k): int(v) for k, v in job.mesh.shape.items()},
+        batch_size=spec.train.batch_size, seq_len=spec.train.seq_len,
+        accumulate_steps=spec.train.accumulate_steps,
+        parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)),
+        limit_bytes=limit, limit_source=limit_source, fits=False, compile_seconds=0.0,
+        sharded_argument_bytes=_sharded_bytes((abstract, batch)),
+        analytic_flops=_analytic_flops(job),
+        peak_flops_per_device=None if topology.chip is None else topology.chip.peak_bf16_flops_per_device,
+    )
+    start = time.perf_counter()
+    with job._context():
+        lowered = step.lower(abstract, batch)
+    try:
+        compiled = lowered.compile()
+    except Exception as err:
+        message = str(err)
+        if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
+            raise
+        report.compile_seconds = time.perf_counter() - start
+        report.compiler_error = " ".join(message.split())[:500]
+        report.required_bytes = _bytes_in(_REQUIRED, message)
+        report.available_bytes = _bytes_in(_AVAILABLE, message)
+        return report
+    report.compile_seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    if stats is not None:
+        report.memory = MemoryUse(
+            argument=int(stats.argument_size_in_bytes), output=int(stats.output_size_in_bytes),
+            alias=int(stats.alias_size_in_bytes), temp=int(stats.temp_size_in_bytes),
+            generated_code=int(stats.generated_code_size_in_bytes))
+    report.flops_per_device = _flops(compiled)
+    report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in compiled.as_text()
+    report.fits = report.memory is None or limit is None or report.memory.total <= limit
+    return report
+
+
+def run_compile(spec: ExecutionSpec) -> int:
+    """mode=compile: print the report and its JSON line; the exit code says whether it fits."""
+    report = compile_report(spec)
+    print(report.text(), flush=True)
+    print(report.to_json(), flush=True)
+    return 0 if report.fits else DOES_NOT_FIT_EXIT_CODE

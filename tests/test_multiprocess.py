@@ -1,0 +1,125 @@
+"""Several JAX processes on localhost cooperate as one job (gloo collectives, fake CPU devices)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY, read_metrics, run_runner, runner_env
+from tests.test_restore import params_of
+
+STEPS = 12
+BASE = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=4", "eval.every=0", "optimizer.lr=1e-2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], tmp_path: Path, processes: int = 2, devices: int = 2,
+           **env: str) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for i in range(processes):
+        e = runner_env(tmp_path, devices, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                       JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **env)
+        procs.append(subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def assert_close_runs(a: Path, b: Path) -> None:
+    la = {r["step"]: r["loss"] for r in read_metrics(a) if "loss" in r}
+    lb = {r["step"]: r["loss"] for r in read_metrics(b) if "loss" in r}
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([la[s] for s in sorted(la)], [lb[s] for s in sorted(lb)], rtol=1e-5)
+    for x, y in zip(params_of(a, STEPS), params_of(b, STEPS)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)  # only the summation order differs
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("one")
+    result = run_runner([*BASE, "run.dir=run"], tmp, devices=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "run"
+
+
+def test_two_processes_train_like_one_with_four_devices(tmp_path, one_process) -> None:
+    results = finish(launch([*BASE, "run.dir=run", "logging.wandb=offline"], tmp_path))
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "Finished gpt_tiny" in results[0][1]
+    assert "step " not in results[1][1] and "Finished" not in results[1][1]  # one writer
+    run_dir = tmp_path / "run"
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))  # each step logged once
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # only process 0 creates a run
+    assert_close_runs(run_dir, one_process)
+
+
+def test_two_process_checkpoint_resumes_in_one_process_and_back(tmp_path, one_process) -> None:
+    killed = finish(launch([*BASE, "run.dir=a"], tmp_path, RUNNER_FAULT="kill_at_step:6"))
+    assert all(code == -signal.SIGKILL for code, _, _ in killed)
+    resumed = run_runner([*BASE, "run.dir=a"], tmp_path, devices=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 4 " in resumed.stdout
+    assert_close_runs(tmp_path / "a", one_process)
+
+    first = run_runner([*BASE, "run.dir=b"], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:6")
+    assert first.returncode == -signal.SIGKILL
+    results = finish(launch([*BASE, "run.dir=b"], tmp_path))
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "resumed from step 4 " in results[0][1]
+    assert_close_runs(tmp_path / "b", one_process)
+
+
+def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path) -> None:
+    args = [*BASE, "run.dir=run", "train.steps=100000", "checkpoint.every_steps=0", "distributed.stop_check_every=5"]
+    procs = launch(args, tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # only one host is told
+    results = finish(procs)
+    assert [code for code, _, _ in results] == [75, 75], results[0][2][-2000:] + results[1][2][-2000:]
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and saved[0] % 5 == 0  # agreed at a check boundary
+    assert f"stopped by a stop request from another process at step {saved[0]}" in results[0][1]
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) -> None:
+    args = [*BASE, "run.dir=run", "train.steps=100000", "checkpoint.every_steps=0",
+            "distributed.heartbeat_timeout_s=10"]
+    procs = launch(args, tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    procs[victim].kill()
+    start = time.time()
+    survivor = procs[1 - victim]
+    survivor.communicate(timeout=120)  # documented bound: heartbeat timeout + a few seconds
+    assert survivor.returncode != 0
+    assert time.time() - start < 60
