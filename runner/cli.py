@@ -110,30 +110,85 @@ def execute(spec: Any) -> None:
         sys.exit(PREEMPTED_EXIT_CODE)
 
 
+_sweep: Any = None  # the SweepSummary while a multirun is going on
+
+
 def task(cfg: Any) -> None:
-    """Hydra's task function: one run (or one sweep member)."""
+    """Hydra's task function: one run, or one sweep member (whose failure is recorded, not raised)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from runner.spec import build_spec
 
     overrides = list(HydraConfig.get().overrides.task)
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        try:
+            execute(build_spec(cfg, overrides))
+        except UserError as err:
+            fail(str(err), err.exit_code)
+        return
+    run_sweep_member(cfg, overrides)
+
+
+def run_sweep_member(cfg: Any, overrides: list[str]) -> None:
+    import gc
+    import traceback
+
+    import jax
+
+    from runner.spec import build_spec
+
+    run_dir, status, message = "", "finished", ""
     try:
-        execute(build_spec(cfg, overrides))
+        spec = build_spec(cfg, overrides, sweep_root=str(_sweep.root))
+        run_dir = spec.run.dir
+        already = _already_finished(spec)
+        execute(spec)
+        status = "skipped (already finished)" if already else "finished"
     except UserError as err:
-        fail(str(err), err.exit_code)
+        status, message = "failed", " ".join(str(err).split())
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    except Exception as err:  # one member's crash must not stop the others
+        status, message = "failed", f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    finally:
+        jax.clear_caches()  # compiled programs of this member
+        gc.collect()
+    _sweep.record(overrides, run_dir, status, message)
+
+
+def _already_finished(spec: Any) -> bool:
+    import json
+
+    path = Path(spec.run.dir) / "metrics.jsonl"
+    if not path.exists():
+        return False
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return bool(steps) and max(steps) >= spec.train.steps
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    global _sweep
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_libraries()
     import hydra
 
     from runner.job import load_job_modules
     from runner.spec import register_schema
+    from runner.sweep import SweepSummary, sweep_root
 
     register_schema()
     load_job_modules()
-    if not any(a.split("=", 1)[0] in _HYDRA_FLAGS for a in argv):
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if not flags & set(_HYDRA_FLAGS):
         precheck(argv)
+    multirun = bool(flags & {"-m", "--multirun"})
+    if multirun:
+        _sweep = SweepSummary(sweep_root(argv))
+        argv = [*argv, f"hydra.sweep.dir={_sweep.root}", "hydra.sweep.subdir=."]
     sys.argv = [sys.argv[0], *argv]
     hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base=None)(task)()
+    if multirun and _sweep.members:
+        print(_sweep.table(), flush=True)
+        if _sweep.failed:
+            sys.exit(1)

@@ -98,7 +98,8 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, *, progress: str, total_steps: int, log_every: int,
                  wandb_mode: str, wandb_project: str, wandb_entity: str | None,
-                 wandb_run_id: str | None, run_name: str, config: Mapping[str, Any]) -> None:
+                 wandb_run_id: str | None, run_name: str, config: Mapping[str, Any],
+                 wandb_group: str | None = None) -> None:
         self.active = jax.process_index() == 0
         self.path = run_dir / METRICS_FILE
         self.progress = Progress(progress if self.active else "none", total_steps, log_every)
@@ -106,18 +107,20 @@ class MetricsLogger:
         self.wandb_run_id = wandb_run_id
         if self.active and wandb_mode != "disabled":
             self.wandb_run = self._start_wandb(run_dir, wandb_mode, wandb_project, wandb_entity,
-                                               wandb_run_id, run_name, config)
+                                               wandb_run_id, run_name, config, wandb_group)
             self.wandb_run_id = self.wandb_run.id
         self._file = open(self.path, "a") if self.active else None
 
     @staticmethod
     def _start_wandb(run_dir: Path, mode: str, project: str, entity: str | None, run_id: str | None,
-                     name: str, config: Mapping[str, Any]) -> Any:
+                     name: str, config: Mapping[str, Any], group: str | None) -> Any:
+        """One wandb run per run directory; its id is saved with the checkpoints so a resumed run
+        continues the same wandb run. Sweep members are grouped by sweep."""
         import wandb
 
         return wandb.init(
             project=project, entity=entity, id=run_id, resume="allow", name=name, mode=mode,
-            dir=str(run_dir), config=dict(config),
+            dir=str(run_dir), config=dict(config), group=group or None,
             settings=wandb.Settings(console="off", silent=True),
         )
 

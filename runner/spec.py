@@ -23,11 +23,10 @@ WANDB_MODES = ("offline", "online", "disabled")
 PROGRESS_STYLES = ("auto", "rich", "plain", "none")
 ON_DAMAGED = ("fallback", "stop")
 
-# Overrides that may change between launches of the same run, so they do not name its directory.
-NON_IDENTIFYING_KEYS = (
-    "job", "mode", "topology", "mesh", "run", "train.steps", "train.log_every",
-    "train.accumulate_steps", "eval", "checkpoint", "logging", "distributed", "hydra",
-)
+# Overrides that may change between launches of the same run, so they do not name its directory
+# (`job=` itself is already part of the path). A key is matched exactly or as a prefix.
+NON_IDENTIFYING_EXACT = ("job", "mode", "topology", "train.steps", "train.log_every", "train.accumulate_steps")
+NON_IDENTIFYING_PREFIXES = ("mesh", "run", "eval", "checkpoint", "logging", "distributed", "hydra")
 
 
 def _freeze(value: Any) -> Any:
@@ -234,6 +233,7 @@ class RunSpec(_Frozen):
     dir: str = ""  # empty: derived from the job and the overrides
     init_from: str = ""  # warm start a new run from another run's (or a step's) checkpoint
     init_mode: str = "params"  # params: fresh optimizer at step 0 | full: the whole state
+    sweep: str = ""  # the sweep's name (empty: derived from its command line); members only
 
 
 @dataclass(frozen=True)
@@ -289,8 +289,9 @@ def register_schema() -> None:
 
 def _identifies_run(override: str) -> bool:
     key = override.lstrip("+~").split("=", 1)[0]
-    return not any(key == k or key.startswith(k + ".") or key.startswith(k + "/")
-                   for k in NON_IDENTIFYING_KEYS)
+    if key in NON_IDENTIFYING_EXACT:
+        return False
+    return not any(key == k or key.startswith((k + ".", k + "/")) for k in NON_IDENTIFYING_PREFIXES)
 
 
 def derive_run_dir(root: str, job_name: str, overrides: list[str] | tuple[str, ...]) -> str:
@@ -457,14 +458,21 @@ def optimizer_settings(spec: ExecutionSpec) -> Any:
                              momentum=o.momentum, nesterov=o.nesterov)
 
 
-def build_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = ()) -> ExecutionSpec:
-    """Composed config -> validated, frozen ExecutionSpec with its run directory filled in."""
+def build_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = (),
+               sweep_root: str | None = None) -> ExecutionSpec:
+    """Composed config -> validated, frozen ExecutionSpec with its run directory filled in.
+
+    A sweep member's directory lies under its sweep's root, named by the member's overrides."""
 
     if isinstance(cfg, dict):
         cfg = OmegaConf.merge(schema_node(), cfg)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     spec: ExecutionSpec = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    if not spec.run.dir:
+    if sweep_root is not None:
+        name = sweep_root.rstrip("/").rsplit("/", 1)[-1]
+        run_dir = spec.run.dir or derive_run_dir(sweep_root, spec.job.name, list(overrides))
+        spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, dir=run_dir, sweep=name))
+    elif not spec.run.dir:
         run_dir = derive_run_dir(spec.run.root, spec.job.name, list(overrides))
         spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, dir=run_dir))
     validate(spec)

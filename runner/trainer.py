@@ -471,7 +471,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             self.run_dir, progress=spec.logging.progress, total_steps=total, log_every=spec.train.log_every,
             wandb_mode=spec.logging.wandb, wandb_project=spec.logging.project, wandb_entity=spec.logging.entity,
             wandb_run_id=self.meta.get("wandb_run_id"), run_name=Path(spec.run.dir).name,
-            config=spec.to_dict())
+            config=spec.to_dict(), wandb_group=spec.run.sweep)
         self.meta["wandb_run_id"] = logger.wandb_run_id
         self.logger = logger
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

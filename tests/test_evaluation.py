@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import optax
 import pytest
 from hydra import compose, initialize_config_dir
@@ -223,18 +224,27 @@ def test_a_prompt_longer_than_the_context_is_a_user_error(trainer) -> None:
 # ----------------------------------------------------------------------------- decoding
 
 
+def random_params(model: GPT, scale: float, seed: int = 0) -> Any:
+    """Random weights of the model's shapes (LayerNorm scales too), without compiling an init."""
+    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, scale, s.shape), s.dtype), shapes)
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_kv_cache_decode_gives_the_full_forward_logits(scan_layers: bool) -> None:
     cfg = GPTConfig(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4, scan_layers=scan_layers)
     model = GPT(cfg)
+    apply = jax.jit(model.apply)
     tokens = jax.random.randint(jax.random.key(0), (3, 12), 0, cfg.vocab_size)
-    params = model.init(jax.random.key(1), tokens)["params"]
-    full = model.apply({"params": params}, tokens)
-    logits, cache = model.apply({"params": params}, tokens[:, :5], cache=model.init_cache(3, 16),
-                                index=jnp.zeros(3, jnp.int32))
+    params = random_params(model, 0.1)
+    full = apply({"params": params}, tokens)
+    # A 5-token prompt at once (rows starting at different positions), then one token at a time.
+    start = jnp.array([0, 0, 0])
+    logits, cache = apply({"params": params}, tokens[:, :5], cache=model.init_cache(3, 16), index=start)
     parts = [logits]
-    for t in range(5, 12):  # then one token at a time
-        logits, cache = model.apply({"params": params}, tokens[:, t:t + 1], cache=cache, index=jnp.full(3, t))
+    for t in range(5, 12):
+        logits, cache = apply({"params": params}, tokens[:, t:t + 1], cache=cache, index=jnp.full(3, t))
         parts.append(logits)
     np.testing.assert_allclose(jnp.concatenate(parts, axis=1), full, atol=1e-5)
     assert jax.tree.map(jnp.shape, cache) == {"key": (2, 3, 16, 4, 8), "value": (2, 3, 16, 4, 8)}
@@ -243,26 +253,31 @@ def test_kv_cache_decode_gives_the_full_forward_logits(scan_layers: bool) -> Non
 def test_greedy_generation_is_the_argmax_of_the_full_forward() -> None:
     cfg = GPTConfig(vocab_size=64, context_length=24, d_model=32, n_layers=2, n_heads=4)
     model = GPT(cfg)
-    params = model.init(jax.random.key(2), jnp.zeros((1, 4), jnp.int32))["params"]
-    params = jax.tree.map(lambda w: 8 * w, params)  # sharper logits: no near-ties
-    prompts = np.array([[5, 9, 2, 0, 0], [7, 1, 3, 3, 8]], np.int32)  # lengths 3 and 5, right-padded
+    params = random_params(model, 0.3)  # large weights, sharp logits: no near-ties
+    prompts = jnp.array([[5, 9, 2, 0, 0], [7, 1, 3, 3, 8]], jnp.int32)  # lengths 3 and 5, right-padded
     lengths, ids = jnp.array([3, 5]), jnp.arange(2)
-    run = lambda cache, **kw: generate_tokens(model.apply, params, prompts, lengths, ids, max_new_tokens=6,
-                                              vocab=50, init_cache=model.init_cache if cache else None, **kw)
-    greedy = np.asarray(run(True, temperature=0.0, seed=0))
-    np.testing.assert_array_equal(greedy, run(True, temperature=0.0, seed=5))  # deterministic
-    np.testing.assert_array_equal(greedy, run(False, temperature=0.0, seed=0))  # cache == no cache
+
+    def generator(cache: bool, temperature: float, seed: int) -> Any:
+        return jax.jit(lambda p: generate_tokens(model.apply, p, prompts, lengths, ids, max_new_tokens=6, vocab=50,
+                                                 temperature=temperature, seed=seed,
+                                                 init_cache=model.init_cache if cache else None))
+
+    greedy = generator(True, 0.0, 0)
+    tokens = np.asarray(greedy(params))
+    np.testing.assert_array_equal(tokens, greedy(params))  # deterministic
+    np.testing.assert_array_equal(tokens, generator(False, 0.0, 0)(params))  # KV cache == full forward each step
+    full = jax.jit(model.apply)
     for row, length in enumerate([3, 5]):
-        seq = list(prompts[row, :length])
-        for token in greedy[row]:
-            logits = model.apply({"params": params}, jnp.array([seq]))[0, -1, :50]
+        seq = np.zeros((1, 11), np.int32)
+        seq[0, :length] = prompts[row, :length]
+        for i, token in enumerate(tokens[row]):
+            logits = full({"params": params}, seq)[0, length + i - 1, :50]  # causal: later zeros don't matter
             assert token == int(jnp.argmax(logits))
-            seq.append(int(token))
-    sampled = np.asarray(run(True, temperature=1.0, seed=0))
-    np.testing.assert_array_equal(sampled, run(True, temperature=1.0, seed=0))
-    np.testing.assert_array_equal(sampled, run(False, temperature=1.0, seed=0))
-    assert not np.array_equal(sampled, run(True, temperature=1.0, seed=1))
-    assert sampled.max() < 50
+            seq[0, length + i] = token
+    sampled = np.asarray(generator(True, 1.0, 0)(params))
+    np.testing.assert_array_equal(sampled, generator(False, 1.0, 0)(params))  # same keys, same samples
+    assert not np.array_equal(sampled, generator(True, 1.0, 1)(params))
+    assert sampled.max() < 50 and not np.array_equal(sampled, tokens)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -56,7 +56,8 @@ def test_run_dir_is_derived_from_identifying_overrides_only() -> None:
     b = derive_run_dir("runs", "gpt_tiny", ["seed=1", "optimizer.lr=0.01", "train.steps=900", "topology=cpu-2",
                                             "mesh.data=2", "checkpoint.keep=9"])
     assert a == b == "runs/gpt_tiny/optimizer.lr=0.01,seed=1"
-    assert derive_run_dir("runs", "gpt_tiny", ["train.steps=5"]) == "runs/gpt_tiny/default"
+    assert derive_run_dir("runs", "gpt_tiny", ["train.steps=5", "job=gpt_tiny"]) == "runs/gpt_tiny/default"
+    assert derive_run_dir("runs", "gpt_tiny", ["job.model.d_model=64"]) == "runs/gpt_tiny/job.model.d_model=64"
     long = derive_run_dir("runs", "j", [f"job.model.d_model={i}" for i in range(40)])
     assert len(long.split("/")[-1]) <= 120
     assert spec_for("run.dir=/tmp/x").run.dir == "/tmp/x"

@@ -42,7 +42,7 @@ from runner.data.tokenizer import (
     TIKTOKEN_PATTERNS, TOKENIZERS, HFTokenizer, Tokenizer, TrainedBPE, check_user_tokenizer, encode_batch,
     load_tokenizer, parse_tokenizer_spec,
 )
-from runner.errors import USAGE_EXIT_CODE, ConfigError, UserError
+from runner.errors import ConfigError, UserError
 
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 64 * 2**20
@@ -625,6 +625,9 @@ def _prepare_in(work: Path, output: str, args: argparse.Namespace, shards: list[
           f"{counts['train']['documents']:,} documents, {counts['val']['tokens']:,} val tokens in "
           f"{counts['val']['documents']:,} documents; tokenizer {store.tokenizer_id}, vocab {store.vocab_size}, "
           f"fingerprint {store.fingerprint[:16]}.")
+    if counts["val"]["documents"] == 0 and args.val_fraction > 0:
+        print(f"Note: no document fell into validation at --val-fraction {args.val_fraction}, so training "
+              "evaluates nothing on this store; raise it for a validation split.", file=sys.stderr)
     return 0
 
 
