@@ -16,27 +16,41 @@ ARG JAX_FLAVOUR=tpu
 ARG PIP_INDEX_URL=https://pypi.org/simple
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY runner/ runner/
-COPY jobs/ jobs/
-# The secret `ca` (a PEM bundle) is added to pip's trusted roots for this step only: it is
+# The dependencies first, in their own layer: a change to runner's code reuses it.
+# The secret `ca` (a PEM bundle) is added to pip's trusted roots for these steps only: it is
 # mounted, never copied, so it is in no layer of the image.
+COPY pyproject.toml ./
 RUN --mount=type=secret,id=ca \
     set -eu; \
+    case "$JAX_FLAVOUR" in \
+        tpu|cpu|cuda) ;; \
+        *) echo "error: JAX_FLAVOUR=$JAX_FLAVOUR is not a flavour. Fix: --build-arg JAX_FLAVOUR=tpu, cpu or cuda." >&2; exit 2 ;; \
+    esac; \
     python3 -m venv /opt/venv; \
     if [ -s /run/secrets/ca ]; then \
         cat "$(/opt/venv/bin/python -c 'import pip._vendor.certifi as c; print(c.where())')" \
             /run/secrets/ca > /tmp/ca-bundle.pem; \
         export PIP_CERT=/tmp/ca-bundle.pem; \
     fi; \
-    jax_version="$(/opt/venv/bin/python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(next(d for d in deps if d.startswith('jax==')).split('==')[1])")"; \
-    case "$JAX_FLAVOUR" in \
-        tpu) set -- "/src[tpu]" ;; \
-        cpu) set -- "/src" ;; \
-        cuda) set -- "/src" "jax[cuda12]==${jax_version}" ;; \
-        *) echo "error: JAX_FLAVOUR=$JAX_FLAVOUR is not a flavour. Fix: --build-arg JAX_FLAVOUR=tpu, cpu or cuda." >&2; exit 2 ;; \
-    esac; \
-    /opt/venv/bin/pip install "$@"; \
+    /opt/venv/bin/python -c "import sys, tomllib; \
+p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+jax = next(d for d in p['dependencies'] if d.startswith('jax==')); \
+extra = {'tpu': p['optional-dependencies']['tpu'], 'cpu': [], 'cuda': [jax.replace('jax==', 'jax[cuda12]==')]}; \
+print('\n'.join(p['dependencies'] + extra[sys.argv[1]]))" "$JAX_FLAVOUR" > /tmp/requirements.txt; \
+    /opt/venv/bin/pip install -r /tmp/requirements.txt; \
+    rm -f /tmp/ca-bundle.pem /tmp/requirements.txt
+COPY README.md ./
+COPY runner/ runner/
+COPY jobs/ jobs/
+RUN --mount=type=secret,id=ca \
+    set -eu; \
+    if [ -s /run/secrets/ca ]; then \
+        cat "$(/opt/venv/bin/python -c 'import pip._vendor.certifi as c; print(c.where())')" \
+            /run/secrets/ca > /tmp/ca-bundle.pem; \
+        export PIP_CERT=/tmp/ca-bundle.pem; \
+    fi; \
+    /opt/venv/bin/pip install --no-deps /src; \
+    /opt/venv/bin/pip check; \
     /opt/venv/bin/pip uninstall -y -q setuptools; \
     rm -f /tmp/ca-bundle.pem
 
@@ -45,6 +59,8 @@ FROM ${BASE_IMAGE}
 ARG JAX_FLAVOUR=tpu
 COPY --from=build /opt/venv /opt/venv
 # An unprivileged user (uid 10001) owns only what the run writes: runs/, the cache and its home.
+# They are also writable by any uid (mode 1777, like /tmp), so `docker run --user UID:GID` works:
+# tools/launch_tpu.py runs as the TPU VM's login user.
 RUN set -eu; \
     if command -v useradd >/dev/null 2>&1; then \
         useradd --uid 10001 --user-group --create-home --home-dir /home/runner --shell /bin/sh runner; \
@@ -54,7 +70,8 @@ RUN set -eu; \
         mkdir -p /home/runner; \
     fi; \
     mkdir -p /opt/runner/runs /opt/runner/cache; \
-    chown -R 10001:10001 /home/runner /opt/runner/runs /opt/runner/cache
+    chown -R 10001:10001 /home/runner /opt/runner/runs /opt/runner/cache; \
+    chmod 1777 /home/runner /opt/runner/runs /opt/runner/cache
 COPY conf/ /opt/runner/conf/
 COPY jobs/ /opt/runner/jobs/
 # jobs/ in the working directory comes first on sys.path: mount your own over it to add jobs.

@@ -16,7 +16,8 @@ class GPTTrainer(BaseTrainer[GPTConfig, GPT]):
 
     @classmethod
     def config_from_spec(cls, spec: ExecutionSpec) -> GPTConfig:
-        return GPTConfig(**dataclasses.asdict(spec.job.model))
+        known = {f.name for f in dataclasses.fields(GPTConfig)}
+        return GPTConfig(**{k: v for k, v in dataclasses.asdict(spec.job.model).items() if k in known})
 
     @classmethod
     def build_model(cls, config: GPTConfig) -> GPT:

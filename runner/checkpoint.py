@@ -64,10 +64,16 @@ def _preservation_policy(spec: CheckpointSpec) -> policies.PreservationPolicy:
     return policies.AnyPreservationPolicy(keep)
 
 
+def best_metric_name(spec: CheckpointSpec) -> str:
+    """checkpoint.best_metric as logged: `eval/` in front, whether or not the user wrote it."""
+    return spec.best_metric if spec.best_metric.startswith("eval/") else f"eval/{spec.best_metric}"
+
+
 def _best_value(spec: CheckpointSpec) -> Callable[[dict[str, Any]], float]:
     """A save's best_metric; a save made between evaluations (metrics {}) ranks last."""
     worst = math.inf if spec.best_mode == "min" else -math.inf
-    return lambda metrics: float(metrics.get(spec.best_metric, worst))
+    name = best_metric_name(spec)
+    return lambda metrics: float(metrics.get(name, worst))
 
 
 class Checkpointer:

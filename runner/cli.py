@@ -90,7 +90,8 @@ def execute(spec: Any) -> None:
 
     distributed.maybe_initialize(spec.distributed)  # before any other JAX use
     from runner.job import JOBS
-    from runner.trainer import PREEMPTED_EXIT_CODE, Preempted
+    from runner.callbacks import HookError
+    from runner.trainer import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
 
     if spec.mode == "eval":  # evaluate a checkpoint's parameters; no training, run dir untouched
         from runner.evaluation.standalone import spec_for_checkpoint
@@ -108,6 +109,8 @@ def execute(spec: Any) -> None:
         job.run()
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)
+    except (HookError, TrainingHalted) as err:  # the last good state is saved
+        fail(str(err), err.exit_code)
 
 
 _sweep: Any = None  # the SweepSummary while a multirun is going on

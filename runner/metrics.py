@@ -153,11 +153,13 @@ class Timer:
         self.t0: float | None = None
         self.step0 = start_step
         self.last_t = time.perf_counter()
+        self.last_dt = 0.0
 
     def tick(self, step: int) -> tuple[float, float]:
         """Returns (seconds for this step, ETA seconds)."""
         now = time.perf_counter()
         dt, self.last_t = now - self.last_t, now
+        self.last_dt = dt
         if self.t0 is None:  # first step includes compilation
             self.t0, self.step0 = now, step
             return dt, float("inf")

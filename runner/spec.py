@@ -25,8 +25,10 @@ ON_DAMAGED = ("fallback", "stop")
 
 # Overrides that may change between launches of the same run, so they do not name its directory
 # (`job=` itself is already part of the path). A key is matched exactly or as a prefix.
-NON_IDENTIFYING_EXACT = ("job", "mode", "topology", "train.steps", "train.log_every", "train.accumulate_steps")
-NON_IDENTIFYING_PREFIXES = ("mesh", "run", "eval", "checkpoint", "logging", "distributed", "hydra")
+NON_IDENTIFYING_EXACT = ("job", "mode", "topology", "train.steps", "train.log_every", "train.accumulate_steps",
+                         "train.time_limit_minutes", "train.time_limit_margin_s", "train.max_steps_this_launch",
+                         "train.stop_file", "callbacks")
+NON_IDENTIFYING_PREFIXES = ("mesh", "run", "eval", "checkpoint", "logging", "distributed", "hydra", "debug")
 
 
 def _freeze(value: Any) -> Any:
@@ -60,6 +62,11 @@ class ModelSpec(_Frozen):
     remat: str = "none"  # none | full | dots
     use_bias: bool = True
     scan_layers: bool = True
+    # Size scaling by one integer: scale > 0 sets n_heads = scale, d_model = scale * head_dim and
+    # d_ff = 4 * d_model (width, MLP width and head count together), so a model-size sweep is
+    # one multirun line: `-m job.model.scale=2,4,8`.
+    scale: int = 0
+    head_dim: int = 64
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,10 @@ class TrainSpec(_Frozen):
     accumulate_steps: int = 1  # micro-batches per step
     seq_len: int = 128
     log_every: int = 10
+    time_limit_minutes: float = 0.0  # stop cleanly (checkpoint, exit 75) shortly before this; 0: none
+    time_limit_margin_s: float = 30.0  # room kept for the final save
+    max_steps_this_launch: int = 0  # run this many more steps, then checkpoint and exit 75; 0: no limit
+    stop_file: str = "STOP"  # its appearance (relative to run.dir) stops the run cleanly; "": off
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,23 @@ def evaluator_spec(entry: Any, key: str) -> EvaluatorSpec:
         raise ConfigError(f"{key}.{setting}" if setting in entry else key, entry.get(setting, entry),
                           f"{problem}.", "give the setting a value of its type (see EvaluatorSpec in "
                           "runner/spec.py).") from None
+
+
+@dataclass(frozen=True)
+class GuardSpec(_Frozen):
+    nonfinite: str = "stop"  # a NaN/Inf loss or grad norm: stop (save last good state) | skip | off
+    max_consecutive_skips: int = 10  # more skipped steps in a row than this stops the run
+    spike_factor: float = 0.0  # skip steps whose loss exceeds this times the rolling mean; 0: off
+    spike_window: int = 100  # steps the rolling mean spans
+    spike_warmup: int = 100  # healthy steps before spikes are judged
+
+
+@dataclass(frozen=True)
+class DebugSpec(_Frozen):
+    overfit_batch: bool = False  # train on the first batch over and over; the loss must approach 0
+    profile_start: int = -1  # first step of a jax.profiler trace written to <run.dir>/profile
+    profile_steps: int = 0  # steps the trace covers (0: no trace)
+    norms_every: int = 0  # log per-layer parameter, gradient and update norms every N steps
 
 
 @dataclass(frozen=True)
@@ -254,6 +282,9 @@ class ExecutionSpec(_Frozen):
     logging: LoggingSpec = field(default_factory=LoggingSpec)
     distributed: DistributedSpec = field(default_factory=DistributedSpec)
     run: RunSpec = field(default_factory=RunSpec)
+    guard: GuardSpec = field(default_factory=GuardSpec)
+    debug: DebugSpec = field(default_factory=DebugSpec)
+    callbacks: tuple[str, ...] = ()  # import paths of callback classes (see runner.callbacks)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -336,6 +367,8 @@ def validate(spec: ExecutionSpec) -> None:
     topology = parse_topology(spec.topology)
 
     m = spec.job.model
+    _positive("job.model.scale", m.scale, allow_zero=True)
+    _positive("job.model.head_dim", m.head_dim)
     for key in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
         _positive(f"job.model.{key}", getattr(m, key))
     _positive("job.model.d_ff", m.d_ff, allow_zero=True)
@@ -353,6 +386,24 @@ def validate(spec: ExecutionSpec) -> None:
     _positive("train.accumulate_steps", t.accumulate_steps)
     _positive("train.seq_len", t.seq_len)
     _positive("train.log_every", t.log_every)
+    _positive("train.time_limit_minutes", t.time_limit_minutes, allow_zero=True)
+    _positive("train.time_limit_margin_s", t.time_limit_margin_s, allow_zero=True)
+    _positive("train.max_steps_this_launch", t.max_steps_this_launch, allow_zero=True)
+    g = spec.guard
+    _one_of("guard.nonfinite", g.nonfinite, ("stop", "skip", "off"))
+    _positive("guard.max_consecutive_skips", g.max_consecutive_skips, allow_zero=True)
+    _positive("guard.spike_factor", g.spike_factor, allow_zero=True)
+    if 0 < g.spike_factor <= 1:
+        raise ConfigError("guard.spike_factor", g.spike_factor, "a spike is a loss above this multiple of the "
+                          "rolling mean, so it must be > 1 (or 0 for off).", "use e.g. 2.0.")
+    _positive("guard.spike_window", g.spike_window)
+    _positive("guard.spike_warmup", g.spike_warmup, allow_zero=True)
+    _positive("debug.profile_steps", spec.debug.profile_steps, allow_zero=True)
+    _positive("debug.norms_every", spec.debug.norms_every, allow_zero=True)
+    from runner.callbacks import CALLBACKS
+
+    for name in spec.callbacks:
+        CALLBACKS.get(name)
     if t.seq_len > m.context_length:
         raise ConfigError("train.seq_len", t.seq_len,
                           f"it is longer than the model's context (job.model.context_length={m.context_length}).",
@@ -445,6 +496,14 @@ def validate(spec: ExecutionSpec) -> None:
                           "number the processes 0, 1, ..., N-1.")
 
 
+def scaled_model(model: ModelSpec) -> ModelSpec:
+    """Apply `scale` (if set): width, MLP width and head count grow together."""
+    if model.scale <= 0:
+        return model
+    d_model = model.scale * model.head_dim
+    return dataclasses.replace(model, n_heads=model.scale, d_model=d_model, d_ff=4 * d_model)
+
+
 def schedule_extra(spec: ExecutionSpec) -> dict[str, Any]:
     """Schedule settings that only some schedules take."""
     return {"decay_fraction": spec.schedule.decay_fraction} if spec.schedule.name == "wsd" else {}
@@ -468,6 +527,7 @@ def build_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = 
         cfg = OmegaConf.merge(schema_node(), cfg)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     spec: ExecutionSpec = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=scaled_model(spec.job.model)))
     if sweep_root is not None:
         name = sweep_root.rstrip("/").rsplit("/", 1)[-1]
         run_dir = spec.run.dir or derive_run_dir(sweep_root, spec.job.name, list(overrides))

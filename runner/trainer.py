@@ -30,8 +30,10 @@ import optax
 from flax.training import train_state
 
 from runner import checkpoint as ckpt
-from runner import faults
-from runner.distributed import any_process
+from runner import debug, faults, runcard
+from runner.callbacks import CallbackList, HookError
+from runner.guards import GuardMonitor, guard_update, initial_guard_state
+from runner.stopping import StopConditions, consume_stop_file
 from runner.data.loader import BatchLoader
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.errors import UserError
@@ -52,13 +54,21 @@ PREEMPTED_EXIT_CODE = 75
 
 
 class TrainState(train_state.TrainState):
-    """Flax's TrainState plus the base PRNG key; the key for step s is fold_in(rng, s)."""
+    """Flax's TrainState plus the base PRNG key (the key for step s is fold_in(rng, s)) and the
+    numerical guard's rolling statistics, so both are checkpointed and resume exactly."""
 
     rng: jax.Array
+    guard: Any = None
 
 
 class Preempted(Exception):
-    """Raised after a preemption save completed; the CLI exits with PREEMPTED_EXIT_CODE."""
+    """Raised after a stop-early save completed; the CLI exits with PREEMPTED_EXIT_CODE."""
+
+
+class TrainingHalted(Exception):
+    """The numerical guard stopped the run after saving the last good state (exit code 1)."""
+
+    exit_code = 1
 
 
 class BaseTrainer(RestoreableJob[C], Generic[C, M]):
@@ -92,8 +102,9 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.last_texts: dict[str, str] = {}  # text made by the latest evaluation (samples)
         self._measured: Optional[tuple[int, float]] = None  # (step, checkpoint.best_metric) last evaluated
         self._last_saved_step: Optional[int] = None
-        self._stop_signal: Optional[int] = None
         self._compiled: dict[str, Any] = {}
+        self.callbacks = CallbackList.from_spec(spec)
+        self.stops: Optional[StopConditions] = None
 
     # ================================================================== job-specific parts
 
@@ -199,9 +210,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     @classmethod
     def train_step(cls, state: TrainState, batch: Batch, key: jax.Array,
-                   accumulate_steps: int) -> Tuple[TrainState, jax.Array, Any]:
+                   accumulate_steps: int, layer_norms: bool = False) -> Tuple[TrainState, jax.Array, Any]:
         """Gradients over S micro-batches, weighted by target-token count (a padded token
-        counts for nothing), then one optimizer step. Returns (state, loss, meta)."""
+        counts for nothing), then one optimizer step. Returns (state, loss, meta); with
+        `layer_norms`, meta also holds per-layer gradient norms."""
         grad_fn = jax.value_and_grad(lambda p, micro, k: cls.token_loss(state, p, micro, k), has_aux=True)
 
         def accumulate(carry, inputs):
@@ -220,6 +232,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         loss = loss_sum / denom
         new_state = state.apply_gradients(grads=grads)
         meta = {"grad_norm": optax.tree.norm(grads), "tokens": count}
+        if layer_norms:
+            meta.update(debug.layer_norms(grads, "grad_norm"))
         return new_state, loss, meta
 
     @classmethod
@@ -268,7 +282,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         init_key, rng = jax.random.split(key)
         variables = self.model.init(init_key, *self.init_args())  # type: ignore[attr-defined]
         return TrainState.create(apply_fn=self.model.apply, params=variables["params"],  # type: ignore[attr-defined]
-                                 tx=self.tx, rng=rng)
+                                 tx=self.tx, rng=rng, guard=initial_guard_state())
 
     def abstract_state(self) -> tuple[Any, Any]:
         """(abstract unboxed state, its shardings), computed without touching a device."""
@@ -287,7 +301,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     @staticmethod
     def state_tree(state: TrainState) -> dict[str, Any]:
-        return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
+        return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
+                "guard": state.guard}
 
     def model_shapes(self, abstract: TrainState) -> dict[str, list[int]]:
         flat = jax.tree_util.tree_flatten_with_path(abstract.params)[0]
@@ -297,19 +312,40 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if "train" not in self._compiled:
             batch_sharding = microbatch_sharding(self.mesh)
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-            cls, s = type(self), self.spec.train.accumulate_steps
+            cls, s, guard = type(self), self.spec.train.accumulate_steps, self.spec.guard
+            norms = self.spec.debug.norms_every > 0
 
             def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
                 key = jax.random.fold_in(state.rng, state.step)
-                new_state, loss, meta = cls.train_step(state, batch, key, s)
+                new_state, loss, meta = cls.train_step(state, batch, key, s, layer_norms=norms)
+                new_state, flags = guard_update(guard, state, new_state, loss, meta["grad_norm"])
+                if norms:
+                    meta.update(debug.param_and_update_norms(state.params, new_state.params))
                 lr = jnp.asarray(self.lr_schedule(state.step), jnp.float32)
-                return new_state, {"loss": loss, "lr": lr, **meta}
+                return new_state, {"loss": loss, "lr": lr, **meta, **flags}
 
             self._compiled["train"] = jax.jit(
                 step, donate_argnums=0,
                 in_shardings=(self.state_sharding, {k: batch_sharding for k in ("x", "y", "mask")}),
                 out_shardings=(self.state_sharding, replicated))
         return self._compiled["train"]
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global (S, B, T) batch the train step takes, as shapes with shardings."""
+        t = self.spec.train
+        shape = (t.accumulate_steps, t.batch_size // t.accumulate_steps, t.seq_len)
+        sharding = microbatch_sharding(self.mesh)
+        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+                for k, dt in (("x", jnp.int32), ("y", jnp.int32), ("mask", jnp.float32))}
+
+    def train_executable(self) -> Any:
+        """The train step compiled ahead of time, once: the loop runs it, and its memory
+        analysis feeds the run card."""
+        if "train_exe" not in self._compiled:
+            with self._context():
+                self._compiled["train_exe"] = self.compiled_train_step().lower(
+                    self.state, self.abstract_batch()).compile()
+        return self._compiled["train_exe"]
 
     def compiled_val_step(self) -> Any:
         if "val" not in self._compiled:
@@ -404,19 +440,25 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def save(self, suffix: Path | None = None, wait: bool = True) -> None:
         """Save the current state (unless this step is saved already) and wait for it."""
         if self.state is not None and self._last_saved_step != self.step:
+            self.callbacks("on_save_start", self, step=self.step)
             self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta(), force=True,
                                    metrics=self._best_metrics())
             self._last_saved_step = self.step
+            self.callbacks("on_save_end", self, step=self.step)
         if wait:
             self.checkpointer.wait()
 
     def maybe_save(self) -> None:
         # With checkpoint.keep_best, every evaluation of best_metric is saved, so it can be kept.
         measured = self._best_metrics()
+        if measured is None and self.spec.checkpoint.keep_best and self.step >= self.spec.train.steps:
+            return  # the final save comes right after the final evaluation, and carries its metric
         if measured is not None or self.checkpointer.should_save(self.step):
+            self.callbacks("on_save_start", self, step=self.step)
             self.checkpointer.save(self.step, self.state_tree(self.state), self.checkpoint_meta(),
                                    force=measured is not None, metrics=measured)
             self._last_saved_step = self.step
+            self.callbacks("on_save_end", self, step=self.step)
             if faults.armed("kill_after_save", self.step):
                 faults.die()
 
@@ -426,18 +468,18 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if jax.process_index() == 0:
             print(f"warning: {text}", flush=True)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._stop_signal = signum
+    def on_step_start(self, state: TrainState, step: int) -> None:
+        """Subclass hook: called before step `step` (1-based) is dispatched."""
 
-    def _stop_agreed(self) -> bool:
-        """Stop at this step boundary? Every process must agree, so with several processes the
-        local flags are combined every `distributed.stop_check_every` steps (not every step:
-        that would be a host sync per step)."""
-        if jax.process_count() == 1:
-            return self._stop_signal is not None
-        if self.step % self.spec.distributed.stop_check_every:
-            return False
-        return any_process(self._stop_signal is not None)
+    def on_step_end(self, state: TrainState, metrics: Mapping[str, float], step: int) -> None:
+        """Subclass hook: called with step `step`'s metrics when they are read (one step late);
+        `state` is the newest state."""
+
+    def _hook(self, name: str, *args: Any) -> None:
+        try:
+            getattr(self, name)(*args)
+        except Exception as err:
+            raise HookError(f"{type(self).__qualname__}.{name}", err) from err
 
     def prepare_evaluators(self) -> None:
         """Let each evaluator load and check its data now, so a bad file or prompt stops the job
@@ -474,54 +516,80 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             config=spec.to_dict(), wandb_group=spec.run.sweep)
         self.meta["wandb_run_id"] = logger.wandb_run_id
         self.logger = logger
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.stops = StopConditions(spec, self.run_dir, self.step)
+        previous = {s: signal.signal(s, self.stops.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        guard = GuardMonitor(spec.guard)
+        profiler = debug.Profiler(self.run_dir, spec.debug.profile_start, spec.debug.profile_steps)
         loader = self.batch("train")
         t_start = time.perf_counter()
+        reason: Optional[str] = None  # why the loop stopped early (resumable)
+        halt: Optional[str] = None  # why the guard stopped the run (not resumable as is)
         try:
+            self.callbacks("on_train_start", self)
             if self.restored_step:
                 logger.progress.message(f"resumed from step {self.restored_step} ({self.checkpointer.directory})")
             self.prepare_evaluators()
+            step_fn = self.train_executable()
+            self.write_run_card(logger)
             if self.step == 0:  # the baseline every later evaluation is compared with
                 self._log_eval(logger)
             timer = Timer(self.step, total)
-            step_fn = self.compiled_train_step()
             with self._context():
                 batch = self.to_device(next(loader))
+                fixed = batch if spec.debug.overfit_batch else None  # overfit mode: the first batch, always
                 pending: Optional[tuple[int, dict[str, jax.Array]]] = None
                 while self.step < total:
+                    profiler.before_step(self.step + 1, self.state)
+                    self._hook("on_step_start", self.state, self.step + 1)
+                    self.callbacks("on_step_start", self, step=self.step + 1)
                     self.state, metrics = step_fn(self.state, batch)
                     self.step += 1
-                    if self.step < total:
-                        batch = self.to_device(next(loader))  # overlaps with the running step
+                    if self.step < total:  # overlaps with the running step
+                        batch = fixed if fixed is not None else self.to_device(next(loader))
                     if pending is not None:
-                        self._report(logger, timer, *pending, tokens_per_step, loader)
+                        halt = halt or self._report(logger, timer, *pending, tokens_per_step, loader, guard)
                     pending = (self.step, metrics)
-                    stop = self._stop_agreed()
+                    reason = self.stops.check(self.step, timer.last_dt, jax.process_count())
                     eval_due = [ev for ev in self.evaluators if self.step < total
                                 and self.eval_every(ev) and self.step % self.eval_every(ev) == 0]
-                    if eval_due or stop:
-                        self._report(logger, timer, *pending, tokens_per_step, loader)
-                        pending = None
+                    if eval_due or reason or halt:
+                        late = self._report(logger, timer, *pending, tokens_per_step, loader, guard)
+                        halt, pending = halt or late, None
+                    if halt:
+                        break
                     if eval_due:
                         self._log_eval(logger, eval_due)
                     if faults.armed("kill_at_step", self.step):
                         self.checkpointer.wait()
                         faults.die()
-                    if stop:
+                    if reason:
                         break
                     self.maybe_save()
                 if pending is not None:
-                    self._report(logger, timer, *pending, tokens_per_step, loader)
-            if self._stop_signal is not None or self.step < total:
+                    late = self._report(logger, timer, *pending, tokens_per_step, loader, guard)
+                    halt = halt or late
+            profiler.stop(self.state)
+            if halt:
                 self.save()
-                why = (f"signal {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None
-                       else "a stop request from another process")
-                logger.progress.message(
-                    f"stopped by {why} at step {self.step}; checkpoint saved. Rerun the same command to resume.")
+                raise TrainingHalted(
+                    f"Training stopped at step {self.step}: {halt} (guard.nonfinite={spec.guard.nonfinite}). "
+                    f"The last good state is saved in {self.checkpointer.directory / str(self.step)}. Fix: lower "
+                    "optimizer.lr or tighten optimizer.clip_norm, or set guard.nonfinite=skip to step over bad "
+                    "batches; then rerun the same command.")
+            if reason or self.step < total:
+                self.save()
+                consume_stop_file(self.stops, reason)
+                logger.progress.message(f"stopped by {reason or 'a stop request'} at step {self.step}; "
+                                        "checkpoint saved. Rerun the same command to resume.")
                 raise Preempted()
             self._log_eval(logger)
             self.save()
+            self.callbacks("on_train_end", self)
             self._summary(logger, time.perf_counter() - t_start)
+            self.write_run_card(logger, final=True)
+        except HookError:
+            self.save()  # the last good state
+            raise
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -530,9 +598,41 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 close()
             logger.close()
 
+    def run_facts(self) -> dict[str, Any]:
+        """Parameter count, FLOPs per token, mesh and per-device memory, for the run card."""
+        from runner.models.gpt import flops_per_token
+
+        params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
+        facts: dict[str, Any] = {
+            "parameters": params,
+            "flops_per_token": flops_per_token(self.model_config, self.spec.train.seq_len),
+            "mesh": dict(self.mesh.shape), "devices": jax.device_count(), "processes": jax.process_count(),
+        }
+        try:  # the compiled step knows its memory (arguments, outputs, temporaries)
+            stats = self.train_executable().memory_analysis()
+            facts["memory_per_device_bytes"] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                                + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+            facts["memory_source"] = "compiled train step: arguments + outputs + temporaries"
+        except Exception:  # some backends report no memory analysis
+            shards = [s.data for x in jax.tree.leaves(self.state) for s in getattr(x, "addressable_shards", [])[:1]]
+            facts["memory_per_device_bytes"] = sum(int(np.prod(d.shape)) * d.dtype.itemsize for d in shards)
+            facts["memory_source"] = "train state only"
+        return facts
+
+    def write_run_card(self, logger: MetricsLogger, final: bool = False) -> None:
+        if not final:
+            self._facts = self.run_facts()
+            for line in runcard.summary_lines(self._facts):
+                logger.progress.message(line)
+        if jax.process_index() == 0:
+            runcard.write(self.run_dir, self.spec, self._facts,
+                          {**self.last_metrics, **self.last_eval} if final else None)
+
     def run(self) -> None:
         """Restore, train, evaluate and save; a finished run says so and does nothing."""
+        self.callbacks("on_init_start", self)
         self.load()
+        self.callbacks("on_init_end", self)
         if self.done:
             self.finished_already()
             return
@@ -548,24 +648,36 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.checkpointer.close()
 
     def _report(self, logger: MetricsLogger, timer: Timer, step: int, metrics: dict[str, jax.Array],
-                tokens_per_step: int, loader: Any) -> None:
+                tokens_per_step: int, loader: Any, guard: GuardMonitor) -> Optional[str]:
+        """Read step `step`'s metrics (the step after it is already running), log them, run the
+        step-end hooks, and return the guard's reason to stop, if any."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         dt, eta = timer.tick(step)
         values["tokens_per_s"] = tokens_per_step / dt if dt > 0 else 0.0
         values["tokens_seen"] = float(step * tokens_per_step)
         values["step_time_s"] = dt
         values["data_wait_s"] = float(getattr(loader, "wait_seconds", 0.0))
-        if not math.isfinite(values["loss"]):
-            self.warn(f"loss is {values['loss']} at step {step}")
+        if values.get("skipped"):
+            self.warn(f"step {step} skipped: loss {values['loss']}, grad norm {values['grad_norm']}")
         self.last_metrics = values
         logger.progress.update(step, values, eta)
-        if step % self.spec.train.log_every == 0 or step == self.spec.train.steps:
-            logger.log(step, {k: values[k] for k in sorted(values)})
+        norms_every = self.spec.debug.norms_every
+        if step % self.spec.train.log_every == 0 or step == self.spec.train.steps or values.get("skipped"):
+            logger.log(step, {k: values[k] for k in sorted(values) if "_norm/" not in k})
+        if norms_every and step % norms_every == 0:
+            logger.log(step, {k: v for k, v in values.items() if "_norm/" in k})
+            if logger.wandb_run is not None:
+                logger.wandb_run.log(debug.histograms(self.state.params), step=step)
+        self._hook("on_step_end", self.state, values, step)
+        self.callbacks("on_step_end", self, step=step, metrics=values)
+        return guard.observe(step, values)
 
     def _log_eval(self, logger: MetricsLogger, only: Optional[Sequence[Evaluator[M]]] = None) -> None:
         """Evaluate, log metrics and texts (metrics.jsonl strings, a wandb table), show the
         headline numbers, and note checkpoint.best_metric for best-K checkpoints."""
+        self.callbacks("on_eval_start", self, step=self.step)
         results = self.evaluate(only)
+        self.callbacks("on_eval_end", self, step=self.step, results=results)
         texts = self.last_texts
         if results or texts:
             logger.log(self.step, {**results, **texts})
@@ -582,8 +694,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self._note_best(results, complete=only is None)
 
     def _best_metric(self) -> str:
-        name = self.spec.checkpoint.best_metric
-        return name if name.startswith("eval/") else f"eval/{name}"
+        return ckpt.best_metric_name(self.spec.checkpoint)
 
     def _note_best(self, results: Mapping[str, float], complete: bool) -> None:
         """Remember this evaluation's best_metric (saved with this step's checkpoint) and keep
@@ -644,7 +755,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
         step_dir = checkpoint_step_dir(self.spec)
         abstract, sharding = self.abstract_state()
-        wanted = {"step": abstract.step, "params": abstract.params, "rng": abstract.rng}
+        wanted = {"step": abstract.step, "params": abstract.params, "rng": abstract.rng, "guard": abstract.guard}
         try:
             tree = ckpt.restore_tree(step_dir / ckpt.STATE, wanted, partial=True)
         except (ValueError, KeyError) as err:
@@ -655,7 +766,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             ) from None
         self.state_sharding = sharding.replace(opt_state=())
         self.state = TrainState(step=tree["step"], apply_fn=self.model.apply, params=tree["params"],  # type: ignore[attr-defined]
-                                tx=self.tx, opt_state=(), rng=tree["rng"])
+                                tx=self.tx, opt_state=(), rng=tree["rng"], guard=tree["guard"])
         self.step = int(tree["step"])
         self.prepare_evaluators()
         t0 = time.perf_counter()

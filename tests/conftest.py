@@ -22,6 +22,7 @@ def runner_env(tmp_path: Path, devices: int = 1, **extra: str) -> dict[str, str]
         "JAX_PLATFORMS": "cpu",
         "PYTHONUNBUFFERED": "1",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
     })
     env.update(extra)
     return env

@@ -33,14 +33,17 @@ def remote_of(line: str) -> str:
 
 def test_run_dry_run_is_exact_and_masks_secrets() -> None:
     out = launch("run", "pod-a", "--zone", "us-central2-b", "--project", "proj", "--image", IMAGE,
-                 "--run-dir", "gs://bucket/runs/gpt_small", "--env", "WANDB_API_KEY", "--env", "WANDB_PROJECT",
+                 "--shared-mount", "/mnt/shared", "--run-dir", "/mnt/shared/runs/gpt_small",
+                 "--env", "WANDB_API_KEY", "--env", "WANDB_PROJECT",
                  "--dry-run", "--", "job=gpt_small", "topology=v4-32", "optimizer.lr=3e-4",
                  WANDB_API_KEY=SECRET, WANDB_PROJECT="lm")
     assert out.returncode == 0, out.stderr
-    remote = (f"sudo docker pull --quiet {IMAGE} && {{ sudo docker rm runner >/dev/null 2>&1 || true; }} && "
+    remote = (f"mkdir -p /mnt/shared/runs/gpt_small && sudo docker pull --quiet {IMAGE} && "
+              "{ sudo docker rm runner >/dev/null 2>&1 || true; } && "
               "sudo docker run --name runner --init --privileged --net=host --shm-size=32g "
-              '--user "$(id -u):$(id -g)" --env WANDB_API_KEY=MASKED:40chars --env WANDB_PROJECT=lm '
-              f"{IMAGE} job=gpt_small topology=v4-32 optimizer.lr=3e-4 run.dir=gs://bucket/runs/gpt_small")
+              '--user "$(id -u):$(id -g)" --volume /mnt/shared:/mnt/shared '
+              "--env WANDB_API_KEY=MASKED:40chars --env WANDB_PROJECT=lm "
+              f"{IMAGE} job=gpt_small topology=v4-32 optimizer.lr=3e-4 run.dir=/mnt/shared/runs/gpt_small")
     expected = shlex.join(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-a", "--zone=us-central2-b",
                            "--project=proj", "--worker=all", f"--command={remote}"])
     assert out.stdout == expected + "\n"
@@ -50,7 +53,7 @@ def test_run_dry_run_is_exact_and_masks_secrets() -> None:
     assert check.returncode == 0, check.stderr
     docker_run = shlex.split(remote_of(out.stdout).split(" && ")[-1])
     assert docker_run[-4:] == ["job=gpt_small", "topology=v4-32", "optimizer.lr=3e-4",
-                               "run.dir=gs://bucket/runs/gpt_small"]
+                               "run.dir=/mnt/shared/runs/gpt_small"]
     assert docker_run[-5] == IMAGE
 
 
@@ -93,11 +96,13 @@ def test_stop_sends_sigterm_first() -> None:
 def test_user_errors_are_one_paragraph_exit_2() -> None:
     cases = {
         ("--run-dir", "runs/a"): "is relative",
-        ("--run-dir", "s3://bucket/a"): "only gs:// URLs or paths",
-        ("--run-dir", "gs://b/a", "--env", "WANDB_API_KEY"): "WANDB_API_KEY is not set",
-        ("--run-dir", "gs://b/a", "--env", "WANDB_API_KEY=xyz"): "is not a variable name",
-        ("--run-dir", "gs://b/a", "--", "run.dir=gs://other"): "run.dir is set among the overrides",
-        ("--run-dir", "gs://b/a", "--", "--cfg"): "is not a runner override",
+        # runner writes run directories through pathlib: a URL would be a local "gs:" directory.
+        ("--run-dir", "gs://bucket/a"): "a URL would end up as a local directory",
+        ("--run-dir", "/m/a", "--shared-mount", "/m", "--env", "WANDB_API_KEY"): "WANDB_API_KEY is not set",
+        ("--run-dir", "/m/a", "--shared-mount", "/m", "--env", "WANDB_API_KEY=xyz"): "is not a variable name",
+        ("--run-dir", "/m/a", "--shared-mount", "/m", "--", "run.dir=/m/b"): "run.dir is set among the overrides",
+        ("--run-dir", "/m/a", "--shared-mount", "/m", "--", "--cfg"): "is not a runner override",
+        ("--run-dir", "/mnt/sharedX/a", "--shared-mount", "/mnt/shared"): "on each worker's own disk",
     }
     for extra, message in cases.items():
         out = launch("run", "pod-a", "--zone", "z", "--image", IMAGE, "--dry-run", *extra)

@@ -74,7 +74,8 @@ def build_command(builder: str, *, tag: str, base_image: str, flavour: str, ca_b
     if builder == "docker":
         cmd = ["docker", "build"]
     else:
-        cmd = ["buildah", "bud", "--isolation", os.environ.get("BUILDAH_ISOLATION", "chroot")]
+        # --layers: keep the dependency layer between builds, as docker does by default.
+        cmd = ["buildah", "bud", "--isolation", os.environ.get("BUILDAH_ISOLATION", "chroot"), "--layers"]
     cmd += ["--file", str(dockerfile), "--tag", tag,
             "--build-arg", f"BASE_IMAGE={base_image}", "--build-arg", f"JAX_FLAVOUR={flavour}"]
     if ca_bundle is not None:

@@ -48,11 +48,9 @@ def compose_config(overrides: Sequence[str]) -> Any:
     from omegaconf.errors import OmegaConfBaseException
 
     from runner.cli import CONF_DIR, CONFIG_NAME
-    from runner.job import load_job_modules
     from runner.spec import register_schema
 
-    register_schema()
-    load_job_modules()
+    register_schema()  # the job classes are not needed to compose: jax is not imported
     try:
         with initialize_config_dir(str(CONF_DIR), version_base=None):
             return compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)

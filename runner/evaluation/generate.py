@@ -87,7 +87,7 @@ class Generate(EvaluatorBase):
     def check(cls, spec: ExecutionSpec, settings: EvaluatorSpec, key: str) -> None:
         if not settings.prompts:
             raise ConfigError(f"{key}.prompts", [], "generate needs at least one prompt.",
-                              f"set it, e.g. eval.evaluators=[heldout,{{name:generate,prompts:['def main(']}}].")
+                              "set it, e.g. eval.evaluators=[heldout,{name:generate,prompts:['def main(']}].")
 
     def prepare(self, trainer: Any) -> None:
         if self._prompts is not None:

@@ -1,0 +1,67 @@
+"""When to stop before train.steps: a signal, a wall-clock limit, a step limit for this launch,
+or a kill-switch file. Each reason is agreed across processes, and each stop saves a checkpoint
+and exits with PREEMPTED_EXIT_CODE, so rerunning the same command continues the run."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from runner.distributed import any_process
+
+REASONS = ("signal", "time limit", "launch step limit", "stop file")
+
+
+class StopConditions:
+    def __init__(self, spec: Any, run_dir: Path, start_step: int) -> None:
+        self.spec = spec
+        self.start_step = start_step
+        self.started = time.monotonic()
+        self.signal: Optional[int] = None
+        stop_file = spec.train.stop_file
+        self.stop_file = (run_dir / stop_file) if stop_file and not Path(stop_file).is_absolute() else (
+            Path(stop_file) if stop_file else None)
+        self.longest_step_s = 0.0
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def _local(self, step: int, step_seconds: float) -> Optional[str]:
+        if self.signal is not None:
+            return f"signal {signal.Signals(self.signal).name}"
+        limit = self.spec.train.time_limit_minutes * 60
+        if limit:
+            self.longest_step_s = max(self.longest_step_s, step_seconds)
+            # leave room for a few more steps and a final save
+            margin = 3 * self.longest_step_s + self.spec.train.time_limit_margin_s
+            if time.monotonic() - self.started + margin >= limit:
+                return f"the time limit (train.time_limit_minutes={self.spec.train.time_limit_minutes})"
+        if self.stop_file is not None and self.stop_file.exists():
+            return f"the stop file {self.stop_file}"  # removed by consume_stop_file once honoured
+        return None
+
+    def check(self, step: int, step_seconds: float, processes: int) -> Optional[str]:
+        """The agreed reason to stop at this step boundary, or None. With several processes the
+        local reasons are combined every `distributed.stop_check_every` steps (a tiny allgather),
+        not every step."""
+        launch_limit = self.spec.train.max_steps_this_launch
+        if launch_limit and step - self.start_step >= launch_limit:  # the same step on every host
+            return f"the step limit for this launch (train.max_steps_this_launch={launch_limit})"
+        if processes == 1:
+            return self._local(step, step_seconds)
+        if step % self.spec.distributed.stop_check_every:
+            return None
+        local = self._local(step, step_seconds)
+        if any_process(local is not None):
+            return local or "a stop request from another process"
+        return None
+
+
+def consume_stop_file(conditions: "StopConditions", reason: str | None) -> None:
+    """Remove the stop file once the stop it asked for is saved, so rerunning continues."""
+    import jax
+
+    if reason and conditions.stop_file is not None and "stop file" in reason and jax.process_index() == 0:
+        conditions.stop_file.unlink(missing_ok=True)
