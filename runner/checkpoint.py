@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 STATE, META = "state", "meta"
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:400]
+
+
 class CheckpointWriteError(UserError):
     """The checkpoint directory cannot be written (read-only, disk full)."""
 
@@ -125,9 +130,9 @@ class Checkpointer:
         try:
             return self.manager.save(step, args=args, force=force,
                                      metrics=(metrics or {}) if self.spec.keep_best else None)
-        except OSError as err:
+        except Exception as err:  # OSError, or tensorstore's ValueError(OUT_OF_RANGE ...) for a full disk
             raise CheckpointWriteError(
-                f"Saving checkpoint step {step} into {self.directory} failed: {err}. Earlier checkpoints "
+                f"Saving checkpoint step {step} into {self.directory} failed: {_first_line(err)}. Earlier checkpoints "
                 "are untouched. Fix: free disk space or make the directory writable, then rerun the same "
                 "command to resume from the newest complete checkpoint."
             ) from None
@@ -136,9 +141,9 @@ class Checkpointer:
         """Block until every pending save is committed."""
         try:
             self.manager.wait_until_finished()
-        except OSError as err:
+        except Exception as err:  # tensorstore reports a full disk as ValueError(OUT_OF_RANGE ...)
             raise CheckpointWriteError(
-                f"A checkpoint save into {self.directory} failed: {err}. Earlier checkpoints are untouched. "
+                f"A checkpoint save into {self.directory} failed: {_first_line(err)}. Earlier checkpoints are untouched. "
                 "Fix: free disk space or make the directory writable, then rerun to resume."
             ) from None
 

@@ -21,6 +21,19 @@ _HYDRA_FLAGS = ("-m", "--multirun", "-c", "--cfg", "-h", "--help", "--hydra-help
                 "--version", "-sc", "--shell-completion", "-p", "--package", "--resolve")
 
 
+def _skip_absent_tpu(argv: Sequence[str]) -> None:
+    """With libtpu installed (the `tpu` extra), JAX probes for a TPU on every start and prints a
+    screen of warnings where there is none. Without TPU device nodes, and unless the user chose
+    platforms or asked to compile for a TPU, use the GPU if present, else the CPU."""
+    import glob
+
+    if "JAX_PLATFORMS" in os.environ or "mode=compile" in argv:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cuda,cpu"
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -28,6 +41,9 @@ def _quiet_libraries() -> None:
         from absl import logging as absl_logging
 
         absl_logging.set_verbosity(absl_logging.WARNING)
+        # orbax logs a failed background save with a traceback per thread; runner reports the
+        # failure itself, as one paragraph, when it waits for the save.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
     except ImportError:
         pass
 
@@ -173,6 +189,7 @@ def _already_finished(spec: Any) -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     global _sweep
     argv = list(sys.argv[1:] if argv is None else argv)
+    _skip_absent_tpu(argv)
     _quiet_libraries()
     import hydra
 

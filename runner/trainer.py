@@ -189,7 +189,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if slice != "train":
             raise ValueError("validation batches come from the evaluators")
         return BatchLoader(
-            self.strategy.train(self.spec.train.seq_len, self.spec.seed),
+            self.strategy.train(self.spec.train.seq_len, self.spec.seed, global_batch=self.spec.train.batch_size),
             global_batch=self.spec.train.batch_size,
             accumulate_steps=self.spec.train.accumulate_steps,
             start_step=self.step,

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# The test process itself never needs a TPU: don't let an installed libtpu probe for one.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -295,14 +295,24 @@ EVALUATORS = ("eval.evaluators=[heldout,{name:multiple_choice,path:mc.jsonl,ever
               "{name:'tests.test_evaluation:EchoEvaluator',every:1,options:{scale:3}}]")
 
 
-def test_train_with_evaluators_then_mode_eval_on_four_devices(tmp_path: Path) -> None:
-    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in MC_LINES))
-    pythonpath = {"PYTHONPATH": str(ROOT)}  # so `tests.test_evaluation` imports in the subprocess
+PYTHONPATH = {"PYTHONPATH": str(ROOT)}  # so `tests.test_evaluation` imports in the subprocesses
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """A 4-step run on 1 device with every kind of evaluator: (its directory, eval records by step)."""
+    tmp = tmp_path_factory.mktemp("evaluated")
+    (tmp / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in MC_LINES))
     train = run_runner([*TINY, "run.dir=run", "train.steps=4", "eval.every=2", "checkpoint.every_steps=2",
                         "optimizer.lr=1e-2", EVALUATORS, "checkpoint.keep=1", "checkpoint.keep_best=1",
-                        "checkpoint.best_metric=stdlib/loss", "checkpoint.best_mode=max"], tmp_path, **pythonpath)
+                        "checkpoint.best_metric=stdlib/loss", "checkpoint.best_mode=max"], tmp, **PYTHONPATH)
     assert train.returncode == 0, train.stderr[-3000:]
-    evals = {r["step"]: r for r in read_metrics(tmp_path / "run") if any(k.startswith("eval/") for k in r)}
+    evals = {r["step"]: r for r in read_metrics(tmp / "run") if any(k.startswith("eval/") for k in r)}
+    return tmp, evals
+
+
+def test_each_evaluator_runs_at_its_cadence_and_best_k_is_kept(trained) -> None:
+    tmp, evals = trained
     has = lambda key: sorted(s for s, r in evals.items() if key in r)
     assert has("eval/echo/scaled_step") == [0, 1, 2, 3, 4]  # each evaluator at its own cadence
     assert has("eval/stdlib/loss") == [0, 2, 4] and has("eval/mc/acc_norm") == [0, 2, 4]
@@ -313,7 +323,7 @@ def test_train_with_evaluators_then_mode_eval_on_four_devices(tmp_path: Path) ->
     # Best-K: the newest checkpoint (keep=1) plus the one with the highest held-out loss; the
     # final checkpoint carries the final evaluation's value.
     best_step = max((2, 4), key=lambda s: evals[s]["eval/stdlib/loss"])
-    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints = tmp / "run" / "checkpoints"
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == sorted({best_step, 4})
     for step in {best_step, 4}:
         saved = json.loads((checkpoints / str(step) / "metrics" / "metrics").read_text())
@@ -322,22 +332,46 @@ def test_train_with_evaluators_then_mode_eval_on_four_devices(tmp_path: Path) ->
     assert meta["best"] == {"metric": "eval/stdlib/loss", "mode": "max", "step": best_step,
                             "value": evals[best_step]["eval/stdlib/loss"]}
 
-    # mode=eval on 4 fake devices (data x fsdp): parameters only, the same numbers and texts as
-    # the 1-device evaluation at the end of training; a stale results file is replaced.
-    results = tmp_path / "run" / "checkpoints" / "4" / "eval_results.json"
-    results.write_text("stale")
-    again = run_runner(["mode=eval", "eval.checkpoint=run", "topology=cpu-4", "mesh.data=2", "mesh.fsdp=2",
-                        "eval.rows=16", "eval.batch_size=8", "logging.wandb=disabled", EVALUATORS],
-                       tmp_path, devices=4, **pythonpath)
-    assert again.returncode == 0, again.stderr[-3000:]
-    record = json.loads(results.read_text())
-    assert (record["step"], record["devices"]) == (4, 4)
+
+def assert_same_as_training(record: dict[str, Any], evals: dict[int, dict[str, Any]]) -> None:
+    """mode=eval's results equal the 1-device evaluation at the end of training."""
     trained = {k: v for k, v in evals[4].items() if k != "step"}
+    assert record["step"] == 4
     assert set(record["metrics"]) | set(record["texts"]) == set(trained)
     for key, value in record["metrics"].items():
         assert value == pytest.approx(trained[key], rel=1e-5, abs=1e-6), key
     assert record["texts"] == {k: v for k, v in trained.items() if isinstance(v, str)}
-    assert "Evaluated" in again.stdout and not (tmp_path / "run" / "checkpoints" / "5").exists()
+
+
+def test_mode_eval_on_four_devices_gives_the_training_numbers(trained) -> None:
+    # Parameters only (the model comes from the checkpoint, not TINY); a stale file is replaced.
+    tmp, evals = trained
+    results = tmp / "run" / "checkpoints" / "4" / "eval_results.json"
+    results.write_text("stale")
+    again = run_runner(["mode=eval", "eval.checkpoint=run", "topology=cpu-4", "mesh.data=2", "mesh.fsdp=2",
+                        "eval.rows=16", "eval.batch_size=8", "logging.wandb=disabled", EVALUATORS],
+                       tmp, devices=4, **PYTHONPATH)
+    assert again.returncode == 0, again.stderr[-3000:]
+    record = json.loads(results.read_text())
+    assert (record["devices"], record["processes"]) == (4, 1)
+    assert_same_as_training(record, evals)
+    assert "Evaluated" in again.stdout and not (tmp / "run" / "checkpoints" / "5").exists()
+
+
+def test_mode_eval_in_two_processes_gives_the_training_numbers(trained) -> None:
+    from tests.test_multiprocess import finish, launch
+
+    tmp, evals = trained
+    results = tmp / "run" / "checkpoints" / "4" / "eval_results.json"
+    results.unlink(missing_ok=True)
+    outcomes = finish(launch(["mode=eval", "run.dir=run", "mesh.data=2", "mesh.fsdp=2", "eval.rows=16",
+                              "eval.batch_size=8", "logging.wandb=disabled", EVALUATORS], tmp, **PYTHONPATH))
+    for code, _, stderr in outcomes:
+        assert code == 0, stderr[-3000:]
+    record = json.loads(results.read_text())
+    assert (record["devices"], record["processes"]) == (4, 2)
+    assert_same_as_training(record, evals)
+    assert "Evaluated" in outcomes[0][1] and "Evaluated" not in outcomes[1][1]  # one writer
 
 
 @pytest.mark.parametrize("args, needle", [

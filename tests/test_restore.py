@@ -161,3 +161,30 @@ def test_unwritable_run_dir_is_a_clear_error(tmp_path) -> None:
     result = run_runner([*BASE, "run.dir=file/run"], tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "file/run" in result.stderr
+
+
+def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_path) -> None:
+    """RLIMIT_FSIZE makes every write past 8 KiB fail with EFBIG (Python ignores SIGXFSZ): the
+    checkpoint files of step 8 cannot be written, as on a full disk."""
+    import resource
+
+    args = [*BASE, "run.dir=run", "checkpoint.every_steps=4"]
+    assert run_runner([*args, "train.steps=4"], tmp_path).returncode == 0
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
+
+    full = subprocess.run([sys.executable, "-m", "runner", *args, "train.steps=8"], cwd=tmp_path,
+                          env=runner_env(tmp_path), capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "failed" in full.stderr and "File too large" in full.stderr and "Earlier checkpoints are untouched" \
+        in full.stderr
+    # tensorstore's C++ callbacks print their own "Event loop is closed" noise; runner's part is one
+    # paragraph, the last thing said, and no traceback through runner's code.
+    assert full.stderr.strip().splitlines()[-1].startswith("error: A checkpoint save")
+    assert "/runner/" not in full.stderr
+    assert ckpt_steps(tmp_path / "run") == [4]
+    params_of(tmp_path / "run", 4)  # still restorable
+    again = run_runner([*args, "train.steps=8"], tmp_path)  # space is back: the run continues
+    assert again.returncode == 0 and "resumed from step 4 " in again.stdout, again.stderr[-2000:]
+    assert ckpt_steps(tmp_path / "run") == [4, 8]

@@ -72,7 +72,11 @@ def test_dry_run_prints_the_sbatch_file() -> None:
     out = dry_run("job=gpt_small", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=8",
                   "hydra.launcher.gpus_per_node=8", "optimizer.lr=1e-3,3e-3", RUNNER_SLURM_PARTITION="a100")
     assert out.returncode == 0, out.stderr
-    folder = ROOT / "runs" / "sweeps" / ".submitit"
+    from runner.sweep import sweep_root  # the directory `python -m runner -m <same overrides>` uses
+
+    overrides = ["-m", "hydra/launcher=slurm", "job=gpt_small", "optimizer.lr=1e-3,3e-3"]
+    folder = ROOT / sweep_root(overrides) / ".submitit"
+    assert folder.parent.name.startswith("gpt_small-")
     python = sys.executable
     assert out.stdout == f"""#!/bin/bash
 

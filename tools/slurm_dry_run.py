@@ -110,11 +110,16 @@ def main(argv: Sequence[str] | None = None) -> None:
              "Hydra overrides (no -m; a sweep's comma lists are expanded anyway). Fix: drop the flag.")
     if not any(a.split("=", 1)[0] == "hydra/launcher" for a in args):
         args = ["hydra/launcher=slurm", *args]
+    # The sweep directory `python -m runner -m` gives this command line (submitit's logs go there).
+    from runner.sweep import sweep_root
+
+    args += [f"hydra.sweep.dir={sweep_root(['-m', *args])}", "hydra.sweep.subdir=."]
     members = sweep_members(args)
     cfg = compose_config(members[0])
     launcher = cfg.hydra.launcher
     for i, member in enumerate(members):
-        print(f"member {i}: {' '.join(member)}", file=sys.stderr)
+        shown = [o for o in member if not o.startswith("hydra.sweep.")]
+        print(f"member {i}: {' '.join(shown)}", file=sys.stderr)
     processes = launcher.nodes * launcher.tasks_per_node
     print(f"{len(members)} SLURM job(s) of {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s): "
           f"{processes} JAX process(es) each", file=sys.stderr)
