@@ -359,7 +359,7 @@ def validate(spec: ExecutionSpec) -> None:
     from runner.data.strategies import DATASET_STRATEGIES
     from runner.job import JOBS
     from runner.mesh import resolve_mesh_shape
-    from runner.optim import OPTIMIZERS, OptimizerSettings, build_optimizer, build_schedule
+    from runner.optim import OPTIMIZERS, build_optimizer, build_schedule
     from runner.topology import parse_topology
 
     _one_of("mode", spec.mode, MODES)

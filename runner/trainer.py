@@ -11,10 +11,8 @@ devices while the current step runs, and checkpoint saves are asynchronous.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 import json
-import math
 import os
 import signal
 import time

@@ -37,6 +37,15 @@ def run_runner(args: list[str], tmp_path: Path, devices: int = 1, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
+def wait_for_lines(path: Path, lines: int, timeout: float = 300) -> None:
+    """Wait until a run has logged `lines` records (to signal it mid-run)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= lines):
+        time.sleep(0.05)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +13,7 @@ from flax import struct
 
 from runner.guards import GuardMonitor, guard_update, initial_guard_state
 from runner.spec import GuardSpec, ModelSpec, scaled_model
-from tests.conftest import TINY, read_metrics, run_runner, runner_env
+from tests.conftest import wait_for_lines, TINY, read_metrics, run_runner, runner_env
 from tests.test_restore import params_of
 
 BASE = [*TINY, "eval.every=2", "checkpoint.every_steps=2", "train.steps=3"]
@@ -139,9 +138,7 @@ def test_stop_file_and_time_limit_stop_cleanly_and_resume(tmp_path, reference) -
     proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-        time.sleep(0.05)
+    wait_for_lines(metrics, 4)
     (tmp_path / "run" / "STOP").touch()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, read_metrics, run_runner, runner_env
+from tests.conftest import wait_for_lines, TINY, read_metrics, run_runner, runner_env
 from tests.test_restore import params_of
 
 STEPS = 12
@@ -26,14 +25,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], tmp_path: Path, processes: int = 2, devices: int = 2,
+def launch(args: list[str], tmp_path: Path, processes: int = 2, devices: int = 2, via_config: bool = False,
            **env: str) -> list[subprocess.Popen]:
+    """N processes joined through the standard JAX variables, or through the distributed.* keys."""
     port = free_port()
     procs = []
     for i in range(processes):
-        e = runner_env(tmp_path, devices, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                       JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **env)
-        procs.append(subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=e,
+        if via_config:
+            e = runner_env(tmp_path, devices, **env)
+            extra = [f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={processes}",
+                     f"distributed.process_id={i}"]
+        else:
+            e = runner_env(tmp_path, devices, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **env)
+            extra = []
+        procs.append(subprocess.Popen([sys.executable, "-m", "runner", *args, *extra], cwd=tmp_path, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -86,7 +92,7 @@ def test_two_process_checkpoint_resumes_in_one_process_and_back(tmp_path, one_pr
 
     first = run_runner([*BASE, "run.dir=b"], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:6")
     assert first.returncode == -signal.SIGKILL
-    results = finish(launch([*BASE, "run.dir=b"], tmp_path))
+    results = finish(launch([*BASE, "run.dir=b"], tmp_path, via_config=True))
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
     assert "resumed from step 4 " in results[0][1]
@@ -97,9 +103,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path) -> None
     args = [*BASE, "run.dir=run", "train.steps=100000", "checkpoint.every_steps=0", "distributed.stop_check_every=5"]
     procs = launch(args, tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
+    wait_for_lines(metrics, 3)
     procs[1].send_signal(signal.SIGTERM)  # only one host is told
     results = finish(procs)
     assert [code for code, _, _ in results] == [75, 75], results[0][2][-2000:] + results[1][2][-2000:]
@@ -114,9 +118,7 @@ def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) 
             "distributed.heartbeat_timeout_s=10"]
     procs = launch(args, tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
+    wait_for_lines(metrics, 3)
     procs[victim].kill()
     start = time.time()
     survivor = procs[1 - victim]

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.conftest import ROOT, TINY, read_metrics, run_runner, runner_env
+from tests.conftest import wait_for_lines, TINY, read_metrics, run_runner, runner_env
 
 STEPS = 24
 BASE = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=8", "checkpoint.keep=5", "eval.every=0",
@@ -81,9 +79,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, reference) -> None
     proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
-        time.sleep(0.05)
+    wait_for_lines(metrics, 6)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
@@ -188,3 +184,15 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_pa
     again = run_runner([*args, "train.steps=8"], tmp_path)  # space is back: the run continues
     assert again.returncode == 0 and "resumed from step 4 " in again.stdout, again.stderr[-2000:]
     assert ckpt_steps(tmp_path / "run") == [4, 8]
+
+
+def test_save_policy_keeps_the_newest_k_plus_every_pth_and_saves_by_time(tmp_path) -> None:
+    result = run_runner([*BASE, "run.dir=steps", "checkpoint.every_steps=4", "checkpoint.keep=2",
+                         "checkpoint.keep_every=8"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ckpt_steps(tmp_path / "steps") == [8, 16, 20, 24]  # newest 2, plus every 8th for good
+    timed = run_runner([*BASE, "run.dir=time", "checkpoint.every_steps=0", "checkpoint.every_minutes=0.001",
+                        "checkpoint.keep=100"], tmp_path)
+    assert timed.returncode == 0, timed.stderr[-2000:]
+    saved = ckpt_steps(tmp_path / "time")
+    assert len(saved) > 2 and saved[-1] == STEPS  # time-based saves, and the final save

@@ -7,6 +7,7 @@ signal shows up without a cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,5 +117,34 @@ def test_dry_run_single_cpu_job_and_errors() -> None:
     bad = dry_run("hydra.launcher.nodes=two")
     assert bad.returncode == 2 and bad.stderr.startswith("error: The configuration is invalid")
     assert len(bad.stderr.strip().splitlines()) == 1
+    unparsable = dry_run("job=[")
+    assert unparsable.returncode == 2 and unparsable.stderr.startswith("error: An override cannot be parsed")
     flag = dry_run("-m", "job=gpt_small")
     assert flag.returncode == 2 and "takes only Hydra overrides" in flag.stderr
+
+
+TINY = ["job.model.d_model=32", "job.model.n_layers=2", "job.model.n_heads=2", "job.model.context_length=32",
+        "train.seq_len=32", "train.batch_size=8", "train.log_every=5", "eval.rows=16", "eval.batch_size=8",
+        "logging.wandb=disabled", "schedule.warmup_steps=2", "train.steps=10"]
+
+
+@pytest.mark.skipif(os.environ.get("RUNNER_SLURM_TEST") != "1",
+                    reason="submits to a real SLURM cluster (sbatch on PATH): set RUNNER_SLURM_TEST=1")
+def test_submits_two_processes_to_a_real_slurm(tmp_path: Path) -> None:
+    """One member, 2 tasks: srun starts 2 processes that find each other through JAX's SLURM
+    detection, train together, and the sbatch file submitted is the dry run's, byte for byte."""
+    overrides = ["hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=20", *TINY]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNNER_SLURM_")}
+    env.update(JAX_PLATFORMS="cpu", WANDB_MODE="offline", RUNNER_CACHE=str(tmp_path / "cache"),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = subprocess.run([sys.executable, "-m", "runner", "-m", *overrides], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (submitted,) = tmp_path.glob("runs/sweeps/*/.submitit/*/*_submission.sh")
+    rendered = subprocess.run([sys.executable, str(DRY_RUN), *overrides[1:]], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert rendered.stdout == submitted.read_text()
+    (log,) = submitted.parent.glob("*_0_log.out")
+    assert "over 2 devices, 2 process(es)" in log.read_text()
+    (metrics,) = tmp_path.glob("runs/gpt_tiny/*/metrics.jsonl")
+    assert max(json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()) == 10

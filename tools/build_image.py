@@ -146,10 +146,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         start = time.monotonic()
         for cmd in commands:
             if cmd[0] == "ln":  # a hard link keeps a large tarball out of a copy; fall back to one
+                _, _, source, target = cmd
                 try:
-                    os.link(cmd[1], cmd[2])
+                    os.link(source, target)
                 except OSError:
-                    shutil.copyfile(cmd[1], cmd[2])
+                    shutil.copyfile(source, target)
                 continue
             print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
             code = subprocess.run(cmd, env=env).returncode

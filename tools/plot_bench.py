@@ -55,24 +55,26 @@ def plot(records: list[dict[str, Any]], out: str) -> None:
     ax1.legend(fontsize=8, loc="lower right")
     ax1.margins(y=0.15)
 
-    # Step time: the baseline's step, the extra of runner's own step function, the loop's extra.
+    # Step time: the baseline's step next to runner's, split into its step function (timed in a
+    # bare loop), the loop around it, and the slowest step overlapping an asynchronous save.
     ms = 1e3
     b = [r["baseline_step_time_s"] * ms for r in records]
-    fn = [(r.get("runner_step_only_step_time_s") or r["baseline_step_time_s"]) * ms for r in records]
     total = [r["step_time_s"] * ms for r in records]
-    fn_extra = [max(f - bb, 0.0) for f, bb in zip(fn, b)]
-    loop_extra = [max(t - bb - fe, 0.0) for t, bb, fe in zip(total, b, fn_extra)]
+    fn = [min((r.get("runner_step_only_step_time_s") or r["step_time_s"]) * ms, t) for r, t in zip(records, total)]
+    loop_extra = [t - f for t, f in zip(total, fn)]
     save = [max((r.get("save_step_time_s") or 0.0) * ms - t, 0.0) for r, t in zip(records, total)]
-    ax2.bar(xs, b, label="baseline step")
-    ax2.bar(xs, fn_extra, bottom=b, label="runner step fn extra")
-    bottom = [x + y for x, y in zip(b, fn_extra)]
-    ax2.bar(xs, loop_extra, bottom=bottom, label="runner loop extra")
-    bottom = [x + y for x, y in zip(bottom, loop_extra)]
-    ax2.bar(xs, save, bottom=bottom, label="slowest step during async save", alpha=0.4, hatch="//")
+    left = [x - w / 2 for x in xs]
+    right = [x + w / 2 for x in xs]
+    ax2.bar(left, b, w, label="baseline step", color="tab:orange")
+    ax2.bar(right, fn, w, label="runner step fn (bare loop)", color="tab:blue")
+    ax2.bar(right, loop_extra, w, bottom=fn, label="runner loop extra", color="tab:green")
+    ax2.bar(right, save, w, bottom=total, label="extra of slowest step in async save", color="tab:red",
+            alpha=0.35, hatch="//")
     ax2.set_xticks(list(xs), labels)
     ax2.set_ylabel("ms per step")
     ax2.set_title("Step time breakdown (median)")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=7, loc="upper left")
+    ax2.margins(y=0.25)
     backend = {r.get("backend", "?") for r in records}
     fig.suptitle(f"tools/bench.py on {', '.join(sorted(backend))} ({records[0].get('cpus')} CPUs)")
     fig.tight_layout()

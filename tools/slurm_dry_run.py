@@ -35,8 +35,12 @@ def sweep_members(overrides: Sequence[str]) -> list[list[str]]:
     basic sweeper does."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as err:
+        fail(f"An override cannot be parsed: {err}. Fix: write overrides as key=value, as for python -m runner.")
     batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     return [list(member) for batch in batches for member in batch]
 
