@@ -129,37 +129,45 @@ def execute(spec: Any) -> None:
         fail(str(err), err.exit_code)
 
 
-_sweep: Any = None  # the SweepSummary while a multirun is going on
+_in_sweep_process = False  # True in the process that launched a multirun (and runs members locally)
 
 
-def task(cfg: Any) -> None:
-    """Hydra's task function: one run, or one sweep member (whose failure is recorded, not raised)."""
+def task(cfg: Any) -> Any:
+    """Hydra's task function: one run, or one sweep member (whose failure is recorded, not raised).
+    A member may run in another process (a SLURM job via submitit), where main() never ran."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from runner.spec import build_spec
+    from runner.job import load_job_modules
+    from runner.spec import build_spec, register_schema
 
+    register_schema()
+    load_job_modules()
     overrides = list(HydraConfig.get().overrides.task)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         try:
             execute(build_spec(cfg, overrides))
         except UserError as err:
             fail(str(err), err.exit_code)
-        return
-    run_sweep_member(cfg, overrides)
+        return None
+    return run_sweep_member(cfg, overrides)
 
 
-def run_sweep_member(cfg: Any, overrides: list[str]) -> None:
+def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
     import gc
     import traceback
 
     import jax
+    from hydra.core.hydra_config import HydraConfig
 
     from runner.spec import build_spec
+    from runner.sweep import SweepSummary
 
+    hydra_cfg = HydraConfig.get()
+    summary = SweepSummary(Path(hydra_cfg.sweep.dir))
     run_dir, status, message = "", "finished", ""
     try:
-        spec = build_spec(cfg, overrides, sweep_root=str(_sweep.root))
+        spec = build_spec(cfg, overrides, sweep_root=str(summary.root))
         run_dir = spec.run.dir
         already = _already_finished(spec)
         execute(spec)
@@ -167,13 +175,19 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> None:
     except UserError as err:
         status, message = "failed", " ".join(str(err).split())
         print(f"error: {message}", file=sys.stderr, flush=True)
+    except SystemExit as stop:
+        if _in_sweep_process:  # a stop (SIGTERM: exit 75) ends the whole local sweep; rerun resumes
+            summary.record(hydra_cfg.job.num, overrides, run_dir, f"stopped (exit {stop.code})")
+            raise
+        status = "stopped (resumable)" if stop.code == 75 else "failed"
+        message = f"exit code {stop.code}"
     except Exception as err:  # one member's crash must not stop the others
         status, message = "failed", f"{type(err).__name__}: {err}"
         traceback.print_exc()
     finally:
         jax.clear_caches()  # compiled programs of this member
         gc.collect()
-    _sweep.record(overrides, run_dir, status, message)
+    return summary.record(hydra_cfg.job.num, overrides, run_dir, status, message)
 
 
 def _already_finished(spec: Any) -> bool:
@@ -187,7 +201,7 @@ def _already_finished(spec: Any) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    global _sweep
+    global _in_sweep_process
     argv = list(sys.argv[1:] if argv is None else argv)
     _skip_absent_tpu(argv)
     _quiet_libraries()
@@ -203,12 +217,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not flags & set(_HYDRA_FLAGS):
         precheck(argv)
     multirun = bool(flags & {"-m", "--multirun"})
+    summary = None
     if multirun:
-        _sweep = SweepSummary(sweep_root(argv))
-        argv = [*argv, f"hydra.sweep.dir={_sweep.root}", "hydra.sweep.subdir=."]
+        _in_sweep_process = True
+        summary = SweepSummary(sweep_root(argv))
+        argv = [*argv, f"hydra.sweep.dir={summary.root}", "hydra.sweep.subdir=."]
     sys.argv = [sys.argv[0], *argv]
     hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base=None)(task)()
-    if multirun and _sweep.members:
-        print(_sweep.table(), flush=True)
-        if _sweep.failed:
+    if summary is not None and summary.members:
+        print(summary.table(), flush=True)
+        if summary.failed:
             sys.exit(1)

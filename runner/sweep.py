@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -52,30 +52,43 @@ def last_metrics(run_dir: Path) -> dict[str, float]:
 
 @dataclass
 class SweepSummary:
-    """Member, overrides, final metrics and status, rewritten after every member."""
+    """Member, overrides, final metrics and status. Each member writes its own record (members
+    may run in other processes, e.g. on SLURM) and summary.json is rebuilt from all of them."""
 
     root: Path
-    members: list[dict[str, Any]] = field(default_factory=list)
 
-    def record(self, overrides: Sequence[str], run_dir: str, status: str, message: str = "") -> None:
-        entry = {"member": len(self.members), "overrides": list(overrides), "run_dir": run_dir,
-                 "status": status, "metrics": last_metrics(Path(run_dir))}
+    def record(self, number: int, overrides: Sequence[str], run_dir: str, status: str,
+               message: str = "") -> dict[str, Any]:
+        entry: dict[str, Any] = {"member": number, "overrides": list(overrides), "run_dir": run_dir,
+                                 "status": status, "metrics": last_metrics(Path(run_dir)) if run_dir else {}}
         if message:
             entry["message"] = message
-        self.members.append(entry)
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / (SUMMARY_FILE + ".tmp")
-        tmp.write_text(json.dumps({"members": self.members}, indent=2))
-        os.replace(tmp, self.root / SUMMARY_FILE)
+        members = self.root / "members"
+        members.mkdir(parents=True, exist_ok=True)
+        _write_json(members / f"{number}.json", entry)
+        _write_json(self.root / SUMMARY_FILE, {"members": self.members})
+        return entry
+
+    @property
+    def members(self) -> list[dict[str, Any]]:
+        files = sorted((self.root / "members").glob("*.json"), key=lambda p: int(p.stem))
+        return [json.loads(p.read_text()) for p in files]
 
     @property
     def failed(self) -> list[dict[str, Any]]:
         return [m for m in self.members if m["status"] == "failed"]
 
     def table(self) -> str:
-        lines = [f"sweep {self.root}: {len(self.members)} members, {len(self.failed)} failed"]
-        for m in self.members:
+        members = self.members
+        lines = [f"sweep {self.root}: {len(members)} members, {len(self.failed)} failed"]
+        for m in members:
             loss = m["metrics"].get("loss")
             shown = f"loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
             lines.append(f"  [{m['status']}] {' '.join(m['overrides']) or '(no overrides)'} {shown}".rstrip())
         return "\n".join(lines)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)

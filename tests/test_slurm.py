@@ -146,5 +146,5 @@ def test_submits_two_processes_to_a_real_slurm(tmp_path: Path) -> None:
     assert rendered.stdout == submitted.read_text()
     (log,) = submitted.parent.glob("*_0_log.out")
     assert "over 2 devices, 2 process(es)" in log.read_text()
-    (metrics,) = tmp_path.glob("runs/gpt_tiny/*/metrics.jsonl")
+    (metrics,) = tmp_path.glob("runs/sweeps/*/gpt_tiny/*/metrics.jsonl")
     assert max(json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()) == 10

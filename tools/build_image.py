@@ -91,6 +91,12 @@ def base_from_rootfs_commands(builder: str, rootfs: Path, tag: str, workdir: Pat
             [*verb, "--tag", tag, str(workdir)]]
 
 
+def image_exists(builder: str, tag: str) -> bool:
+    inspect = ["docker", "image", "inspect", tag] if builder == "docker" else [
+        "buildah", "inspect", "--type", "image", tag]
+    return subprocess.run(inspect, capture_output=True).returncode == 0
+
+
 def image_size(builder: str, tag: str) -> str:
     if builder == "docker":
         out = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", tag],
@@ -133,8 +139,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.base_rootfs is not None:
             rootfs = args.base_rootfs.resolve()
             base_image = base_image_tag(rootfs)
-            (Path(tmp) / "Dockerfile").write_text("FROM scratch\nADD rootfs.tar /\nCMD [\"python3\"]\n")
-            commands += base_from_rootfs_commands(builder, rootfs, base_image, Path(tmp))
+            # The tag names the tarball's content: an existing one is this base, and importing it
+            # again would give it a new id and void the layer cache of every build on it.
+            if args.dry_run or not image_exists(builder, base_image):
+                (Path(tmp) / "Dockerfile").write_text("FROM scratch\nADD rootfs.tar /\nCMD [\"python3\"]\n")
+                commands += base_from_rootfs_commands(builder, rootfs, base_image, Path(tmp))
         commands.append(build_command(builder, tag=args.tag, base_image=base_image, flavour=args.flavour,
                                       ca_bundle=ca_bundle, context=ROOT, dockerfile=ROOT / "Dockerfile"))
         if args.dry_run:
