@@ -84,7 +84,10 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path, one_process) -
 
 def test_two_process_checkpoint_resumes_in_one_process_and_back(tmp_path, one_process) -> None:
     killed = finish(launch([*BASE, "run.dir=a"], tmp_path, RUNNER_FAULT="kill_at_step:6"))
-    assert all(code == -signal.SIGKILL for code, _, _ in killed)
+    # each process kills itself at step 6; one that is left waiting at a collective for its dead
+    # partner is aborted by the heartbeat check instead
+    codes = [code for code, _, _ in killed]
+    assert -signal.SIGKILL in codes and all(code != 0 for code in codes), codes
     resumed = run_runner([*BASE, "run.dir=a"], tmp_path, devices=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 4 " in resumed.stdout
