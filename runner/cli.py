@@ -21,15 +21,17 @@ _HYDRA_FLAGS = ("-m", "--multirun", "-c", "--cfg", "-h", "--help", "--hydra-help
                 "--version", "-sc", "--shell-completion", "-p", "--package", "--resolve")
 
 
+def _tpu_present() -> bool:
+    import glob
+
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"))
+
+
 def _skip_absent_tpu(argv: Sequence[str]) -> None:
     """With libtpu installed (the `tpu` extra), JAX probes for a TPU on every start and prints a
     screen of warnings where there is none. Without TPU device nodes, and unless the user chose
     platforms or asked to compile for a TPU, use the GPU if present, else the CPU."""
-    import glob
-
-    if "JAX_PLATFORMS" in os.environ or "mode=compile" in argv:
-        return
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"):
+    if "JAX_PLATFORMS" in os.environ or "mode=compile" in argv or _tpu_present():
         return
     os.environ["JAX_PLATFORMS"] = "cuda,cpu"
 
@@ -104,7 +106,11 @@ def execute(spec: Any) -> None:
         return
     from runner import distributed
 
-    distributed.maybe_initialize(spec.distributed)  # before any other JAX use
+    from runner.topology import parse_topology
+
+    topology = parse_topology(spec.topology)
+    tpu_hosts = topology.num_hosts if topology.platform == "tpu" and _tpu_present() else 0
+    distributed.maybe_initialize(spec.distributed, tpu_hosts)  # before any other JAX use
     from runner.job import JOBS
     from runner.callbacks import HookError
     from runner.trainer import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted

@@ -24,30 +24,35 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
-def settings(spec: DistributedSpec) -> tuple[str | None, int | None, int | None, bool]:
-    """(coordinator, num_processes, process_id, auto_detect) for this process; pure."""
+def settings(spec: DistributedSpec, topology_hosts: int = 0) -> tuple[str | None, int | None, int | None, bool]:
+    """(coordinator, num_processes, process_id, auto_detect) for this process; pure.
+
+    JAX's own cluster detection is used on SLURM allocations of several tasks, on TPU pods that
+    name their workers, and whenever the topology asked for spans several TPU hosts (inside a
+    container the worker variables may be missing; JAX then asks the TPU VM's metadata)."""
     coordinator = spec.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num = spec.num_processes if spec.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     pid = spec.process_id if spec.process_id is not None else _env_int("JAX_PROCESS_ID")
     on_slurm = (_env_int("SLURM_NTASKS") or 1) > 1 and "SLURM_JOB_ID" in os.environ
     tpu_hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    auto = coordinator is None and (on_slurm or len(tpu_hosts) > 1)
+    auto = coordinator is None and (on_slurm or len(tpu_hosts) > 1 or topology_hosts > 1)
     return coordinator, num, pid, auto
 
 
-def spans_several_processes(spec: DistributedSpec) -> bool:
-    coordinator, num, _, auto = settings(spec)
+def spans_several_processes(spec: DistributedSpec, topology_hosts: int = 0) -> bool:
+    coordinator, num, _, auto = settings(spec, topology_hosts)
     return auto or (coordinator is not None and (num or 1) > 1)
 
 
-def maybe_initialize(spec: DistributedSpec) -> None:
-    """Initialize jax.distributed exactly once, before any other JAX use, if needed."""
+def maybe_initialize(spec: DistributedSpec, topology_hosts: int = 0) -> None:
+    """Initialize jax.distributed exactly once, before any other JAX use, if needed.
+    `topology_hosts` is the host count of the TPU topology asked for (0 if not a TPU name)."""
     global _initialized
-    if _initialized or not spans_several_processes(spec):
+    if _initialized or not spans_several_processes(spec, topology_hosts):
         return
     import jax
 
-    coordinator, num, pid, auto = settings(spec)
+    coordinator, num, pid, auto = settings(spec, topology_hosts)
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         # CPU processes need a cross-process collectives backend.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

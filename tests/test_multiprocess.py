@@ -128,3 +128,24 @@ def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) 
     survivor.communicate(timeout=120)  # documented bound: heartbeat timeout + a few seconds
     assert survivor.returncode != 0
     assert time.time() - start < 60
+
+
+def test_when_jax_distributed_is_started(monkeypatch) -> None:
+    from runner.distributed import settings, spans_several_processes
+    from runner.spec import DistributedSpec
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS", "SLURM_JOB_ID",
+                "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    assert not spans_several_processes(DistributedSpec())  # a laptop: never
+    assert spans_several_processes(DistributedSpec(), topology_hosts=4)  # v4-32: JAX's TPU detection
+    keys = DistributedSpec(coordinator_address="h:1", num_processes=2, process_id=1)
+    assert settings(keys) == ("h:1", 2, 1, False)  # documented keys win
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "e:2")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "3")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    assert settings(DistributedSpec()) == ("e:2", 3, 0, False)  # then the standard variables
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert settings(DistributedSpec())[3]  # a SLURM allocation of several tasks: auto-detect
