@@ -37,8 +37,9 @@ def _format_rate(tokens_per_s: float) -> str:
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop records of steps after `last_step`: they belong to an interrupted launch and will be
-    recomputed (identically) by the resumed one, so each step appears once."""
-    if not path.exists():
+    recomputed (identically) by the resumed one, so each step appears once. Process 0 only: the
+    file is replaced, and a writer holding it open must not lose its handle to another process."""
+    if jax.process_index() != 0 or not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():

@@ -118,7 +118,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path) -> None
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) -> None:
     args = [*BASE, "run.dir=run", "train.steps=100000", "checkpoint.every_steps=0",
-            "distributed.heartbeat_timeout_s=10"]
+            "distributed.heartbeat_timeout_s=10", "logging.progress=none"]  # nothing fills the unread pipes
     procs = launch(args, tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     wait_for_lines(metrics, 3)
