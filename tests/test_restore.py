@@ -99,7 +99,8 @@ def test_damaged_newest_checkpoint_falls_back_and_is_set_aside(tmp_path, referen
                  key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])  # truncated
     stop = run_runner([*BASE, "run.dir=run", "checkpoint.on_damaged=stop"], tmp_path)
-    assert stop.returncode == 2 and "damaged" in stop.stderr and "Traceback" not in stop.stderr
+    # (tensorstore may print its own "Event loop is closed" noise; no traceback runs through runner)
+    assert stop.returncode == 2 and "damaged" in stop.stderr and "/runner/" not in stop.stderr
     assert ckpt_steps(run_dir) == [8, 16, 24]  # nothing touched
     result = run_runner([*BASE, "run.dir=run"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -175,9 +176,9 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_pa
     assert full.returncode == 2, full.stderr[-3000:]
     assert "failed" in full.stderr and "File too large" in full.stderr and "Earlier checkpoints are untouched" \
         in full.stderr
-    # tensorstore's C++ callbacks print their own "Event loop is closed" noise; runner's part is one
-    # paragraph, the last thing said, and no traceback through runner's code.
-    assert full.stderr.strip().splitlines()[-1].startswith("error: A checkpoint save")
+    # tensorstore's background threads print their own noise (in any order); runner's part is one
+    # paragraph on its own line, and no traceback through runner's code.
+    assert any(line.startswith("error: A checkpoint save") for line in full.stderr.splitlines())
     assert "/runner/" not in full.stderr
     assert ckpt_steps(tmp_path / "run") == [4]
     params_of(tmp_path / "run", 4)  # still restorable
