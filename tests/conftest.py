@@ -46,6 +46,15 @@ def wait_for_lines(path: Path, lines: int, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def start_runner_until(args: list[str], tmp_path: Path, run_dir: Path, lines: int) -> subprocess.Popen:
+    """Start `python -m runner` in the background and return once it has logged `lines` records,
+    so a test can signal it mid-run."""
+    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_lines(run_dir / "metrics.jsonl", lines)
+    return proc
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

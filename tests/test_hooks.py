@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ from flax import struct
 
 from runner.guards import GuardMonitor, guard_update, initial_guard_state
 from runner.spec import GuardSpec, ModelSpec, scaled_model
-from tests.conftest import wait_for_lines, TINY, read_metrics, run_runner, runner_env
+from tests.conftest import start_runner_until, TINY, read_metrics, run_runner
 from tests.test_restore import params_of
 
 BASE = [*TINY, "eval.every=2", "checkpoint.every_steps=2", "train.steps=3"]
@@ -135,10 +133,7 @@ def test_step_limit_for_this_launch_then_resume(tmp_path, reference) -> None:
 
 def test_stop_file_and_time_limit_stop_cleanly_and_resume(tmp_path, reference) -> None:
     args = [*RESUMABLE, "run.dir=run", "train.steps=100000"]
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    wait_for_lines(metrics, 4)
+    proc = start_runner_until(args, tmp_path, tmp_path / "run", 4)
     (tmp_path / "run" / "STOP").touch()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]

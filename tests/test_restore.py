@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.conftest import wait_for_lines, TINY, read_metrics, run_runner, runner_env
+from tests.conftest import start_runner_until, TINY, read_metrics, run_runner, runner_env
 
 STEPS = 24
 BASE = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=8", "checkpoint.keep=5", "eval.every=0",
@@ -76,10 +76,7 @@ def test_sigkill_anywhere_then_rerun_gives_the_same_run(tmp_path, reference, fau
 
 def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, reference) -> None:
     args = [*BASE, "run.dir=run", "checkpoint.every_steps=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    wait_for_lines(metrics, 6)
+    proc = start_runner_until(args, tmp_path, tmp_path / "run", 6)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
