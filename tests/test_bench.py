@@ -38,9 +38,11 @@ def test_bench_output_format(tmp_path: Path) -> None:
     assert isinstance(record["peak_source"], str) and isinstance(record["device_memory_source"], str)
     assert record["device_memory_bytes"] is None or isinstance(record["device_memory_bytes"], int)
     assert record["save_step_time_s"] is None or isinstance(record["save_step_time_s"], float)
+    assert record["loop_overhead_s"] is None or isinstance(record["loop_overhead_s"], float)
     assert record["flops_per_token"] > 0 and record["parameters"] > 0
     table = proc.stdout.split(lines[0], 1)[1]
     for row in ("time to first step", "step time", "tokens/s runner", "tokens/s baseline", "runner / baseline",
+                "loop around the step",
                 "model FLOPs per token", "MFU", "peak host memory", "device memory", "loader-only throughput",
                 "async save", "restore"):
         assert row in table, row

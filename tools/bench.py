@@ -1,6 +1,6 @@
 """End-to-end training benchmark: runner's real loop against a minimal hand-written jitted loop.
 
-    .venv/bin/python tools/bench.py                                   # gpt_tiny, 3 rounds of 30 steps
+    .venv/bin/python tools/bench.py                                   # gpt_tiny, 5 rounds of 30 steps
     .venv/bin/python tools/bench.py job.model.d_model=256 job.model.n_layers=8 job.model.n_heads=8
     .venv/bin/python tools/bench.py --steps 20 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
 
@@ -10,9 +10,10 @@ Positional arguments are Hydra overrides, composed exactly as ``python -m runner
 * runner: the real ``BaseTrainer.run()`` (restore-or-init, compile, loader, the step loop with its
   metrics, evaluation at start and end, an asynchronous checkpoint save in the middle of the run and
   one at the end) in a fresh run directory per round; step times are the ``step_time_s`` the loop
-  itself writes to metrics.jsonl (train.log_every=1 is forced). The first two steps (compilation,
-  pipeline fill) are excluded from the steady-state figures, and so are the steps overlapping the
-  mid-run save (reported separately as the save stall).
+  itself writes to metrics.jsonl (train.log_every=1 is forced). The warm-up (the first tenth of the
+  steps, at least two: compilation, pipeline fill), the last step (it carries the final save) and
+  the mid-run save's window (from the save until its asynchronous commit has finished; reported
+  separately as the save stall) are left out of the steady-state figures.
 * baseline: the same model, the same optimizer (the job's own optax transformation), the same
   batch (the first batch of the job's loader, kept on the device), as
   ``jax.jit(value_and_grad + optax update, donate_argnums=(0, 1))``: no loader, no metrics, no
@@ -78,7 +79,12 @@ def matmul_peak(n: int = 1024, reps: int = 5) -> float:
 
 
 def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> dict[str, Any]:
-    """One fresh run of the real training loop; step times from its metrics.jsonl."""
+    """One fresh run of the real training loop; step times from its metrics.jsonl.
+
+    Steady state leaves out the warm-up (the first ``warmup_steps(steps)`` steps: compilation,
+    pipeline fill), the last step (it carries the final checkpoint save) and the mid-run save's
+    window: from the save's step until the first step that starts after its asynchronous commit
+    has finished. The window's steps are the save stall."""
     import jax
 
     from runner.job import JOBS
@@ -89,12 +95,21 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> di
     spec = compose(overrides)
     job = JOBS.get(spec.job.trainer)(spec)
     seen: dict[int, float] = {}
-    job.on_step_end = lambda state, metrics, step: seen.setdefault(step, time.perf_counter())  # type: ignore
+    committed: list[int] = []  # steps whose metrics were read with no save in progress
+
+    def on_step_end(state: Any, metrics: Any, step: int) -> None:
+        seen.setdefault(step, time.perf_counter())
+        if step >= save_at and not committed and not job.checkpointer.manager.is_saving_in_progress():
+            committed.append(step)
+
+    job.on_step_end = on_step_end  # type: ignore[method-assign]
     job.run()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = {int(r["step"]): float(r["step_time_s"]) for r in records if "step_time_s" in r}
-    window = {save_at, save_at + 1, save_at + 2} if save_at else set()
-    steady = [times[s] for s in sorted(times) if s > 2 and s not in window]
+    # Metrics of step s are read while step s + 1 runs: a commit seen done at s leaves s + 2 on clean.
+    window_end = min((committed[0] if committed else steps) + 1, steps - 1)
+    window = set(range(save_at, window_end + 1)) if save_at else set()
+    steady = [times[s] for s in sorted(times) if warmup_steps(steps) < s < steps and s not in window]
     saving = [times[s] for s in sorted(window) if s in times]
     # restore: a new job object over the same run directory, timed through load()
     job2 = JOBS.get(spec.job.trainer)(spec)
@@ -107,6 +122,11 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> di
            "saving": saving, "restore_s": restore_s,
            "data_wait_s": max((float(r.get("data_wait_s", 0.0)) for r in records), default=0.0)}
     return out
+
+
+def warmup_steps(steps: int) -> int:
+    """Steps left out at the start of a runner round, and untimed at the start of a baseline one."""
+    return max(2, steps // 10)
 
 
 class Baseline:
@@ -215,14 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m runner")
     parser.add_argument("--steps", type=int, default=30, help="steps per round (default 30)")
-    parser.add_argument("--rounds", type=int, default=3, help="runner/baseline round pairs (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="runner/baseline round pairs (default 5)")
     parser.add_argument("--loader-steps", type=int, default=50)
     parser.add_argument("--label", default="", help="name of this configuration in the output")
     parser.add_argument("--out", default=None, help="also append the JSON line to this file")
     parser.add_argument("--dir", default=None, help="where run directories go (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.steps < 8:
-        parser.error("--steps must be at least 8 (two warm-up steps, a save window of three)")
+        parser.error("--steps must be at least 8 (warm-up steps, steady steps, a save window)")
 
     import jax
     import numpy as np
@@ -235,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     base_rates: list[float] = []
     steady_all: list[float] = []
     saving_all: list[float] = []
+    stalls: list[float] = []  # per round: the save window's time over the round's steady median
+    windows: list[int] = []
     restore: list[float] = []
     first_steps: list[float] = []
     waits: list[float] = []
@@ -255,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 runner_rates.append(tokens_per_step / statistics.mean(res["steady"]))
                 steady_all += res["steady"]
                 saving_all += res["saving"]
+                stalls.append(sum(res["saving"]) - len(res["saving"]) * statistics.median(res["steady"]))
+                windows.append(len(res["saving"]))
                 restore.append(res["restore_s"])
                 first_steps.append(res["first_step_s"])
                 waits.append(res["data_wait_s"])
@@ -266,13 +290,14 @@ def main(argv: list[str] | None = None) -> int:
                         spec0 = compose([*args.overrides, *FORCED, f"run.dir={Path(tmp) / 'probe'}"])
                         job = JOBS.get(spec0.job.trainer)(spec0)
                     baseline = Baseline(job)
-                sec = baseline.run(args.steps - 2)
+                timed = args.steps - warmup_steps(args.steps) - 1  # as many steps as a runner round's steady part, at most
+                sec = baseline.run(timed)
                 base_step_times.append(sec)
                 base_rates.append(baseline.tokens / sec)
                 if job is not None and job.state is not None and step_only is None:
                     step_only = StepOnly(job)
                 if step_only is not None:
-                    step_only_times.append(step_only.run(args.steps - 2))
+                    step_only_times.append(step_only.run(timed))
         assert job is not None and baseline is not None
         spec = job.spec
         loader_tps = loader_throughput(job, args.loader_steps)
@@ -311,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_step_time_s": statistics.median(base_step_times),
         "tokens_per_s": runner_tps,
         "runner_step_only_step_time_s": statistics.median(step_only_times) if step_only_times else None,
+        # What the loop adds per step: runner's step time minus its own step function's in a bare
+        # loop (both medians; negative means within this machine's noise).
+        "loop_overhead_s": steady_med - statistics.median(step_only_times) if step_only_times else None,
         "baseline_tokens_per_s": base_tps,
         "ratio": runner_tps / base_tps,
         "ratio_per_round": [a / b for a, b in zip(runner_rates, base_rates)],
@@ -329,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         "loader_tokens_per_s": loader_tps,
         "data_wait_s": max(waits) if waits else 0.0,
         "save_step_time_s": max(saving_all) if saving_all else None,
-        "save_stall_s": (sum(saving_all) / len(saving_all) - steady_med) * 3 if saving_all else None,
+        "save_stall_s": statistics.median(stalls) if saving_all else None,
+        "save_window_steps": int(statistics.median(windows)) if windows else 0,
         "restore_s": statistics.median(restore),
         "process_s": time.perf_counter() - T_PROCESS,
     }
@@ -361,6 +390,8 @@ def table(r: dict[str, Any]) -> str:
         ("runner's step fn, bare loop", "n/a" if r.get("runner_step_only_step_time_s") is None else
          f"{r['runner_step_only_step_time_s'] * 1e3:.1f} ms/step "
          f"({r['batch_size'] * r['seq_len'] / r['runner_step_only_step_time_s']:,.0f} tokens/s)"),
+        ("loop around the step", "n/a" if r.get("loop_overhead_s") is None else
+         f"{r['loop_overhead_s'] * 1e3:+.2f} ms/step ({r['loop_overhead_s'] / r['step_time_s']:+.1%} of the step)"),
         ("tokens/s baseline", f"{r['baseline_tokens_per_s']:,.0f}"),
         ("runner / baseline", f"{r['ratio']:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['ratio_per_round'])})"),
         ("model FLOPs per token", si(r["flops_per_token"], "FLOP")),
@@ -374,7 +405,8 @@ def table(r: dict[str, Any]) -> str:
                                    f"({r['loader_tokens_per_s'] / r['tokens_per_s']:.0f}x the step's need)"),
         ("loader wait in the loop", f"{r['data_wait_s']:.3f} s total"),
         ("async save: slowest step", "n/a" if r["save_step_time_s"] is None else
-         f"{r['save_step_time_s'] * 1e3:.1f} ms; extra over 3 steps {r['save_stall_s'] * 1e3:.1f} ms"),
+         f"{r['save_step_time_s'] * 1e3:.1f} ms; {r['save_stall_s'] * 1e3:.1f} ms extra over the "
+         f"{r['save_window_steps']} steps until the commit finished"),
         ("restore", f"{r['restore_s']:.3f} s"),
     ]
     width = max(len(k) for k, _ in rows)
