@@ -16,12 +16,14 @@ NUMBERS = ("time_to_first_step_s", "baseline_first_step_s", "step_time_s", "step
            "baseline_step_time_s", "tokens_per_s", "baseline_tokens_per_s", "ratio", "flops_per_token",
            "achieved_flops_per_s", "baseline_flops_per_s", "peak_flops_per_s", "mfu", "baseline_mfu",
            "loader_tokens_per_s", "data_wait_s", "restore_s", "process_s")
-INTEGERS = ("parameters", "batch_size", "seq_len", "devices", "host_peak_rss_bytes", "steps_per_round", "rounds")
+INTEGERS = ("parameters", "batch_size", "seq_len", "devices", "host_peak_rss_bytes", "steps_per_round", "rounds",
+            "baseline_block_steps", "save_window_steps")
 
 
 def test_bench_output_format(tmp_path: Path) -> None:
     overrides = [*TINY, "eval.evaluators=[]"]  # no evaluator: one compilation fewer
-    args = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "8", "--rounds", "1", "--loader-steps", "3",
+    args = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "12", "--block", "4", "--rounds", "1",
+            "--loader-steps", "3",
             "--label", "fmt", "--out", str(tmp_path / "bench.jsonl"), "--dir", str(tmp_path), *overrides]
     proc = subprocess.run(args, cwd=tmp_path, env=runner_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,8 @@
 """End-to-end training benchmark: runner's real loop against a minimal hand-written jitted loop.
 
     .venv/bin/python tools/bench.py                                   # gpt_tiny, 5 rounds of 30 steps
-    .venv/bin/python tools/bench.py job.model.d_model=256 job.model.n_layers=8 job.model.n_heads=8
-    .venv/bin/python tools/bench.py --steps 20 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
+    .venv/bin/python tools/bench.py --steps 40 job=gpt_10m            # the ~10M-parameter model
+    .venv/bin/python tools/bench.py --steps 12 --block 4 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
 
 Positional arguments are Hydra overrides, composed exactly as ``python -m runner`` composes them
 (runner.cli.precheck, then runner.spec.build_spec). How it measures, all in this one process:
@@ -11,15 +11,20 @@ Positional arguments are Hydra overrides, composed exactly as ``python -m runner
   metrics, evaluation at start and end, an asynchronous checkpoint save in the middle of the run and
   one at the end) in a fresh run directory per round; step times are the ``step_time_s`` the loop
   itself writes to metrics.jsonl (train.log_every=1 is forced). The warm-up (the first tenth of the
-  steps, at least two: compilation, pipeline fill), the last step (it carries the final save) and
-  the mid-run save's window (from the save until its asynchronous commit has finished; reported
-  separately as the save stall) are left out of the steady-state figures.
+  steps, at least two: compilation, pipeline fill), the last step (it carries the final save), the
+  two steps after each baseline block, and the mid-run save's window (from the save until its
+  asynchronous commit has finished; reported separately as the save stall) are left out of the
+  steady-state figures.
 * baseline: the same model, the same optimizer (the job's own optax transformation), the same
-  batch (the first batch of the job's loader, kept on the device), as
+  micro-batch (the first of the job's loader, kept on the device), as
   ``jax.jit(value_and_grad + optax update, donate_argnums=(0, 1))``: no loader, no metrics, no
-  checkpoints, one block_until_ready at the end.
-* rounds alternate (runner, baseline, baseline, runner, ...) to cancel drift and noise from other
-  processes; the ratio is runner tokens/s over baseline tokens/s, both as the median over rounds.
+  checkpoints, one block_until_ready at the end of a block.
+* interleaved: every ``--block`` steady steps of a runner round, its step-end hook waits for the step
+  in flight and times ``--block`` baseline steps, so the two alternate every second or so and the
+  machine's drift and other tenants' load fall on both alike. A round's ratio is runner tokens/s
+  over the baseline's in that round; the headline is the median over rounds.
+* runner's step function in a bare loop (its compiled ``train_executable()`` on one device batch)
+  separates the cost of the step from the cost of the loop around it.
 * MFU: against the topology's chip peak (runner.topology), or on CPU against a float32 matmul peak
   measured in this run.
 
@@ -78,13 +83,18 @@ def matmul_peak(n: int = 1024, reps: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
-def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> dict[str, Any]:
-    """One fresh run of the real training loop; step times from its metrics.jsonl.
+def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path, baseline: "Baseline | None",
+                 block: int) -> dict[str, Any]:
+    """One fresh run of the real training loop, with blocks of the baseline interleaved.
 
-    Steady state leaves out the warm-up (the first ``warmup_steps(steps)`` steps: compilation,
-    pipeline fill), the last step (it carries the final checkpoint save) and the mid-run save's
-    window: from the save's step until the first step that starts after its asynchronous commit
-    has finished. The window's steps are the save stall."""
+    Runner's step times come from its metrics.jsonl. Every ``block`` steady steps the step-end hook
+    waits for the step in flight, then times ``block`` steps of the baseline: the two alternate
+    every second or so, so the machine's drift and other tenants fall on both alike. Steady state
+    leaves out the warm-up (``warmup_steps(steps)``: compilation, pipeline fill), the last step (it
+    carries the final checkpoint save), the two steps after each baseline block (the pause itself,
+    and the refill of the pipeline) and the mid-run save's window: from the save's step until the
+    first step that starts after its asynchronous commit has finished. The window's steps are the
+    save stall."""
     import jax
 
     from runner.job import JOBS
@@ -95,12 +105,20 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> di
     spec = compose(overrides)
     job = JOBS.get(spec.job.trainer)(spec)
     seen: dict[int, float] = {}
-    committed: list[int] = []  # steps whose metrics were read with no save in progress
+    committed: list[int] = []  # the first step whose metrics were read with the mid-run save done
+    paused: set[int] = set()  # runner steps that contain a baseline block or follow one
+    base_times: list[float] = []
+    warm = warmup_steps(steps)
 
     def on_step_end(state: Any, metrics: Any, step: int) -> None:
         seen.setdefault(step, time.perf_counter())
         if step >= save_at and not committed and not job.checkpointer.manager.is_saving_in_progress():
             committed.append(step)
+        saving = save_at and step >= save_at - 1 and not committed
+        if baseline is not None and step > warm and step % block == 0 and step < steps - 2 and not saving:
+            jax.block_until_ready(state)
+            base_times.append(baseline.run(block))
+            paused.update((step + 1, step + 2))
 
     job.on_step_end = on_step_end  # type: ignore[method-assign]
     job.run()
@@ -109,7 +127,7 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> di
     # Metrics of step s are read while step s + 1 runs: a commit seen done at s leaves s + 2 on clean.
     window_end = min((committed[0] if committed else steps) + 1, steps - 1)
     window = set(range(save_at, window_end + 1)) if save_at else set()
-    steady = [times[s] for s in sorted(times) if warmup_steps(steps) < s < steps and s not in window]
+    steady = [times[s] for s in sorted(times) if warm < s < steps and s not in window | paused]
     saving = [times[s] for s in sorted(window) if s in times]
     # restore: a new job object over the same run directory, timed through load()
     job2 = JOBS.get(spec.job.trainer)(spec)
@@ -119,7 +137,7 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path) -> di
     restore_s = time.perf_counter() - t
     job2.checkpointer.close()
     out = {"job": job, "spec": spec, "first_step_s": seen.get(1, float("nan")) - t0, "steady": steady,
-           "saving": saving, "restore_s": restore_s,
+           "saving": saving, "restore_s": restore_s, "baseline": base_times,
            "data_wait_s": max((float(r.get("data_wait_s", 0.0)) for r in records), default=0.0)}
     return out
 
@@ -235,22 +253,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m runner")
     parser.add_argument("--steps", type=int, default=30, help="steps per round (default 30)")
-    parser.add_argument("--rounds", type=int, default=5, help="runner/baseline round pairs (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="runner rounds (default 5)")
+    parser.add_argument("--block", type=int, default=10,
+                        help="runner steps between baseline blocks, and baseline steps per block (default 10)")
     parser.add_argument("--loader-steps", type=int, default=50)
     parser.add_argument("--label", default="", help="name of this configuration in the output")
     parser.add_argument("--out", default=None, help="also append the JSON line to this file")
     parser.add_argument("--dir", default=None, help="where run directories go (default: a temporary one)")
     args = parser.parse_args(argv)
+    save_at = args.steps // 2
     if args.steps < 8:
         parser.error("--steps must be at least 8 (warm-up steps, steady steps, a save window)")
+    if args.block < 1 or (warmup_steps(args.steps) // args.block + 1) * args.block >= save_at - 1:
+        parser.error(f"--steps {args.steps} leaves no room for a baseline block every {args.block} steps before the "
+                     "mid-run save; raise --steps or lower --block")
 
     import jax
     import numpy as np
 
+    from runner.job import JOBS
     from runner.models.gpt import flops_per_token, param_count
     from runner.topology import parse_topology
 
-    save_at = args.steps // 2
     runner_rates: list[float] = []
     base_rates: list[float] = []
     steady_all: list[float] = []
@@ -263,42 +287,32 @@ def main(argv: list[str] | None = None) -> int:
     base_step_times: list[float] = []
     step_only_times: list[float] = []
     step_only: StepOnly | None = None
-    baseline: Baseline | None = None
-    job = None
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-") as tmp:
-        order = []
-        for r in range(args.rounds):
-            order += ["runner", "baseline"] if r % 2 == 0 else ["baseline", "runner"]
-        for i, kind in enumerate(order):
-            if kind == "runner":
-                res = runner_round(args.overrides, args.steps, save_at, Path(tmp) / f"run{i}")
-                job = res["job"]
-                tokens_per_step = job.spec.train.batch_size * job.spec.train.seq_len
-                runner_rates.append(tokens_per_step / statistics.mean(res["steady"]))
-                steady_all += res["steady"]
-                saving_all += res["saving"]
-                stalls.append(sum(res["saving"]) - len(res["saving"]) * statistics.median(res["steady"]))
-                windows.append(len(res["saving"]))
-                restore.append(res["restore_s"])
-                first_steps.append(res["first_step_s"])
-                waits.append(res["data_wait_s"])
-            else:
-                if baseline is None:
-                    if job is None:  # the baseline needs the job's model, optimizer and batch
-                        from runner.job import JOBS
-
-                        spec0 = compose([*args.overrides, *FORCED, f"run.dir={Path(tmp) / 'probe'}"])
-                        job = JOBS.get(spec0.job.trainer)(spec0)
-                    baseline = Baseline(job)
-                timed = args.steps - warmup_steps(args.steps) - 1  # as many steps as a runner round's steady part, at most
-                sec = baseline.run(timed)
-                base_step_times.append(sec)
-                base_rates.append(baseline.tokens / sec)
-                if job is not None and job.state is not None and step_only is None:
-                    step_only = StepOnly(job)
-                if step_only is not None:
-                    step_only_times.append(step_only.run(timed))
-        assert job is not None and baseline is not None
+        # The baseline needs the job's model, optimizer and batch: take them from a job not run.
+        probe = compose([*args.overrides, *FORCED, f"run.dir={Path(tmp) / 'probe'}"])
+        baseline = Baseline(JOBS.get(probe.job.trainer)(probe))
+        job = None
+        for i in range(args.rounds):
+            res = runner_round(args.overrides, args.steps, save_at, Path(tmp) / f"run{i}", baseline, args.block)
+            job = res["job"]
+            if not res["steady"] or not res["baseline"]:
+                sys.exit(f"bench: round {i} left no steady runner steps or no baseline block (the mid-run save's "
+                         f"commit took too long?); raise --steps (now {args.steps}) or lower --block.")
+            tokens_per_step = job.spec.train.batch_size * job.spec.train.seq_len
+            runner_rates.append(tokens_per_step / statistics.mean(res["steady"]))
+            base_step_times.append(statistics.mean(res["baseline"]))
+            base_rates.append(baseline.tokens / base_step_times[-1])
+            steady_all += res["steady"]
+            saving_all += res["saving"]
+            stalls.append(sum(res["saving"]) - len(res["saving"]) * statistics.median(res["steady"]))
+            windows.append(len(res["saving"]))
+            restore.append(res["restore_s"])
+            first_steps.append(res["first_step_s"])
+            waits.append(res["data_wait_s"])
+            if step_only is None:
+                step_only = StepOnly(job)  # takes over the finished run's state
+            step_only_times.append(step_only.run(args.block * 2))
+        assert job is not None
         spec = job.spec
         loader_tps = loader_throughput(job, args.loader_steps)
         dev_mem, dev_mem_source = device_memory(job)
@@ -313,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "measured float32 matmul peak of this machine (1024^3, jax.jit)"
     runner_tps = statistics.median(runner_rates)
     base_tps = statistics.median(base_rates)
+    round_ratios = [a / b for a, b in zip(runner_rates, base_rates)]
     steady_med = statistics.median(steady_all)
     record = {
         "bench": "train",
@@ -340,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         # loop (both medians; negative means within this machine's noise).
         "loop_overhead_s": steady_med - statistics.median(step_only_times) if step_only_times else None,
         "baseline_tokens_per_s": base_tps,
-        "ratio": runner_tps / base_tps,
-        "ratio_per_round": [a / b for a, b in zip(runner_rates, base_rates)],
+        "ratio": statistics.median(round_ratios),
+        "ratio_per_round": round_ratios,
+        "baseline_block_steps": args.block,
         "runner_tokens_per_s_rounds": runner_rates,
         "baseline_tokens_per_s_rounds": base_rates,
         "flops_per_token": fpt,
