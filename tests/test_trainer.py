@@ -83,3 +83,32 @@ def test_sharded_init_returns_variables_and_shardings(trainer) -> None:
     kernel = variables["params"]["wte"]["embedding"]
     assert kernel.shape == (trainer.spec.job.model.vocab_size, trainer.spec.job.model.d_model)
     assert jax.tree.structure(variables) == jax.tree.structure(sharding)
+
+
+@pytest.mark.parametrize("every_steps,keep_every", [(0, 0), (3, 0), (5, 10)])
+def test_save_policy_answered_without_orbax_agrees_with_orbax(tmp_path, every_steps, keep_every) -> None:
+    """Checkpointer.should_save skips orbax on the common path; it must say what orbax says."""
+    from runner.checkpoint import Checkpointer
+    from runner.spec import CheckpointSpec
+
+    ckpt = Checkpointer(tmp_path / "ckpt", CheckpointSpec(every_steps=every_steps, keep_every=keep_every))
+    try:
+        for step in range(0, 31):
+            assert ckpt.should_save(step) == ckpt.manager.should_save(step), step
+    finally:
+        ckpt.close()
+
+
+def test_loop_runs_with_a_frozen_heap(trainer) -> None:
+    """The step loop runs with the pre-loop heap frozen (no full GC passes over it), and the heap
+    is unfrozen again afterwards."""
+    import gc
+
+    seen: list[int] = []
+    trainer.on_step_start = lambda state, step: seen.append(gc.get_freeze_count())
+    try:
+        trainer.train()
+    finally:
+        del trainer.on_step_start
+    assert seen and min(seen) > 1000, seen
+    assert gc.get_freeze_count() == 0
