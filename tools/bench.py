@@ -145,7 +145,7 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path, basel
 
 
 def warmup_steps(steps: int) -> int:
-    """Steps left out at the start of a runner round, and untimed at the start of a baseline one."""
+    """Steps left out at the start of a runner round: compilation, pipeline fill."""
     return max(2, steps // 10)
 
 
