@@ -52,7 +52,8 @@ def _save_policy(spec: CheckpointSpec) -> policies.SaveDecisionPolicy:
     if spec.every_steps:
         chosen.append(policies.FixedIntervalPolicy(spec.every_steps))
     if spec.every_minutes:
-        chosen.append(policies.ContinuousCheckpointingPolicy(minimum_interval_secs=int(spec.every_minutes * 60)))
+        # Seconds as a float: int() would turn every_minutes below 1/60 into "no interval".
+        chosen.append(policies.ContinuousCheckpointingPolicy(minimum_interval_secs=spec.every_minutes * 60))
     if not chosen:  # only forced saves (final, preemption)
         chosen.append(policies.SpecificStepsPolicy(steps=()))
     return policies.AnySavePolicy(chosen)

@@ -99,6 +99,17 @@ def test_save_policy_answered_without_orbax_agrees_with_orbax(tmp_path, every_st
         ckpt.close()
 
 
+def test_time_interval_below_a_second_is_kept() -> None:
+    """checkpoint.every_minutes is a float: 0.005 min is a 0.3 s interval, not 'no interval'."""
+    from runner.checkpoint import _save_policy
+    from runner.spec import CheckpointSpec
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    (timed,) = [p for p in _save_policy(CheckpointSpec(every_steps=0, every_minutes=0.005)).policies
+                if isinstance(p, policies.ContinuousCheckpointingPolicy)]
+    assert timed.minimum_interval_secs == pytest.approx(0.3)
+
+
 def test_loop_runs_with_a_frozen_heap(trainer) -> None:
     """The step loop runs with the pre-loop heap frozen (no full GC passes over it), and the heap
     is unfrozen again afterwards."""
