@@ -75,7 +75,8 @@ def test_sigkill_anywhere_then_rerun_gives_the_same_run(tmp_path, reference, fau
 
 
 def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, reference) -> None:
-    args = [*BASE, "run.dir=run", "checkpoint.every_steps=0"]
+    # Paced, so the 24 steps can't all finish between the poll that sees step 6 and the signal.
+    args = [*BASE, "run.dir=run", "checkpoint.every_steps=0", "callbacks=[tests.callback_fixture:Pacer]"]
     proc = start_runner_until(args, tmp_path, tmp_path / "run", 6)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
