@@ -191,8 +191,7 @@ def test_save_policy_keeps_the_newest_k_plus_every_pth_and_saves_by_time(tmp_pat
     assert result.returncode == 0, result.stderr[-2000:]
     assert ckpt_steps(tmp_path / "steps") == [8, 16, 20, 24]  # newest 2, plus every 8th for good
     # Synchronous saves: orbax skips a time-based save while an async one is in flight, which on a
-    # fast machine can be the whole run. A sync save takes longer than the 30 ms interval, so each
-    # step after one is due.
+    # fast machine can be the whole run. With synchronous saves, 24 steps take many 30 ms intervals.
     timed = run_runner([*BASE, "run.dir=time", "checkpoint.every_steps=0", "checkpoint.every_minutes=0.0005",
                         "checkpoint.keep=100", "checkpoint.async_save=false"], tmp_path)
     assert timed.returncode == 0, timed.stderr[-2000:]
