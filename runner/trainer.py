@@ -11,6 +11,7 @@ devices while the current step runs, and checkpoint saves are asynchronous.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import json
 import os
@@ -41,6 +42,8 @@ from runner.job import C, RestoreableJob
 from runner.mesh import make_mesh, microbatch_sharding, resolve_mesh_shape
 from runner.metrics import METRICS_FILE, MetricsLogger, Timer, truncate_jsonl
 from runner.optim import build_optimizer, build_schedule
+from runner.optim.optimizers import param_axis_names
+from runner.optim.sharding import opt_state_sharding
 from runner.spec import ExecutionSpec, optimizer_settings, schedule_extra
 from runner.topology import check_devices, parse_topology
 
@@ -266,7 +269,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     def _optimizer(self) -> optax.GradientTransformation:
         chosen = self.optimizer() or self.spec.optimizer.name
-        return build_optimizer(chosen, self.lr_schedule, optimizer_settings(self.spec), self.spec.optimizer.clip_norm)
+        params = nn.meta.unbox(self.abstract_variables)["params"]
+        settings = dataclasses.replace(optimizer_settings(self.spec),
+                                       param_axes=param_axis_names(params, self.param_specs))
+        return build_optimizer(chosen, self.lr_schedule, settings, self.spec.optimizer.clip_norm)
 
     def _context(self):
         """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
@@ -278,17 +284,33 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return stack
 
     def _create_state(self, key: jax.Array) -> TrainState:
+        """The fresh state, parameters unboxed before the optimizer sees them (its state then
+        carries no stale partition metadata; `abstract_state` derives its shardings)."""
         init_key, rng = jax.random.split(key)
         variables = self.model.init(init_key, *self.init_args())  # type: ignore[attr-defined]
-        return TrainState.create(apply_fn=self.model.apply, params=variables["params"],  # type: ignore[attr-defined]
+        return TrainState.create(apply_fn=self.model.apply, params=nn.meta.unbox(variables["params"]),  # type: ignore[attr-defined]
                                  tx=self.tx, rng=rng, guard=initial_guard_state())
 
+    @functools.cached_property
+    def abstract_variables(self) -> Any:
+        """The model's variables as shapes, still boxed with their logical axis names."""
+        init_key = jax.random.split(jax.random.PRNGKey(self.spec.seed))[0]
+        return jax.eval_shape(self.model.init, init_key, *self.init_args())  # type: ignore[attr-defined]
+
+    @property
+    def param_specs(self) -> Any:
+        """The parameters' logical partition specs (axis names per dimension)."""
+        return nn.get_partition_spec(self.abstract_variables)["params"]
+
     def abstract_state(self) -> tuple[Any, Any]:
-        """(abstract unboxed state, its shardings), computed without touching a device."""
-        key = jax.random.PRNGKey(self.spec.seed)
-        boxed = jax.eval_shape(self._create_state, key)
-        sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), self.mesh, self.logical_axis_rules)
-        abstract = nn.meta.unbox(boxed)
+        """(abstract state, its shardings), computed without touching a device. Parameters are
+        sharded by their logical axes; the optimizer state by what each of its leaves is (see
+        runner.optim.sharding); step, key and guard statistics are replicated."""
+        abstract = jax.eval_shape(self._create_state, jax.random.PRNGKey(self.spec.seed))
+        params = nn.logical_to_mesh_sharding(self.param_specs, self.mesh, self.logical_axis_rules)
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        sharding = jax.tree.map(lambda _: replicated, abstract).replace(
+            params=params, opt_state=opt_state_sharding(abstract.opt_state, abstract.params, params, self.mesh))
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding)
         return abstract, sharding
 
@@ -296,7 +318,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """A fresh state, every array created directly on its devices."""
         key = jax.random.PRNGKey(self.spec.seed)
         with self._context():
-            return jax.jit(lambda k: nn.meta.unbox(self._create_state(k)), out_shardings=self.state_sharding)(key)
+            return jax.jit(self._create_state, out_shardings=self.state_sharding)(key)
 
     @staticmethod
     def state_tree(state: TrainState) -> dict[str, Any]:

@@ -241,3 +241,109 @@ def test_bad_optimizer_settings(settings: OptimizerSettings, clip_norm: float | 
     with pytest.raises(ConfigError) as err:
         build_optimizer("adamw", 1e-3, settings, clip_norm)
     assert err.value.key == key
+
+
+# --- optimizer state on a mesh ---------------------------------------------------------------
+
+def _scanned_gpt_params() -> tuple[dict, dict]:
+    """(abstract params, logical partition specs) of a small scanned GPT."""
+    import flax.linen as nn
+
+    from runner.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=2, scan_layers=True)
+    boxed = jax.eval_shape(GPT(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))
+    return nn.meta.unbox(boxed)["params"], nn.get_partition_spec(boxed)["params"]
+
+
+@pytest.mark.parametrize("leaf, param, spec, expected", [
+    ((4, 8), (4, 8), ("fsdp", "tensor"), ("fsdp", "tensor")),  # a moment: the parameter's own
+    ((4,), (4, 8), ("fsdp", "tensor"), ("fsdp",)),  # factored: the last axis reduced
+    ((8,), (4, 8), ("fsdp", "tensor"), ("tensor",)),  # factored: the first axis reduced
+    ((2, 8), (2, 4, 8), (None, "fsdp", "tensor"), (None, "tensor")),  # stacked layers, factored
+    ((1,), (4, 8), ("fsdp", "tensor"), ()),  # Adafactor's placeholder
+    ((4, 8), (4, 8), (), ()),  # a replicated parameter
+    ((8,), (4, 8), (), (None,)),  # ... and its factored moment
+])
+def test_restricted_spec_keeps_the_axes_a_state_leaf_keeps(leaf, param, spec, expected) -> None:
+    from jax.sharding import PartitionSpec as P
+
+    from runner.optim.sharding import restricted_spec
+
+    assert restricted_spec(leaf, param, P(*spec)) == P(*expected)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS.names())
+def test_every_optimizer_state_gets_a_sharding_that_fits_it(name: str) -> None:
+    """Factored, masked, scalar and per-parameter states alike: one valid sharding per leaf, the
+    state's own tree structure, and moments sharded like their parameters."""
+    import dataclasses
+
+    import flax.linen as nn
+    from jax.sharding import Mesh
+
+    from runner.models.gpt import LOGICAL_AXIS_RULES
+    from runner.optim.optimizers import param_axis_names
+    from runner.optim.sharding import opt_state_sharding
+
+    params, specs = _scanned_gpt_params()
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    param_sharding = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
+    settings = dataclasses.replace(OptimizerSettings(), param_axes=param_axis_names(params, specs))
+    tx = build_optimizer(name, 1e-3, settings, 1.0)
+    state = jax.eval_shape(tx.init, params)
+    sharding = opt_state_sharding(state, params, param_sharding, mesh)
+    assert jax.tree.structure(sharding) == jax.tree.structure(state)
+    by_param = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(param_sharding)}
+    sharded_like_a_param = 0
+    for (path, leaf), s in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(sharding)):
+        assert len(s.spec) <= len(leaf.shape), (jax.tree_util.keystr(path), leaf.shape, s.spec)
+        s.shard_shape(leaf.shape)  # raises if the spec does not fit the leaf
+        key = jax.tree_util.keystr(path)
+        owner = [p for p in by_param if key.endswith(p)]
+        if owner and leaf.shape == params_shape(params, owner[0]):
+            assert s.spec == by_param[owner[0]], key
+            sharded_like_a_param += 1
+    assert sharded_like_a_param > 0
+
+
+def params_shape(params: dict, keystr: str) -> tuple[int, ...]:
+    return {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}[keystr]
+
+
+def test_muon_orthogonalises_every_weight_matrix_of_a_scanned_model() -> None:
+    """Stacked layers are batch axes; projections read or write the residual stream (embed);
+    biases, norms and embeddings go to Adam."""
+    from runner.optim.optimizers import muon_dimension_numbers, param_axis_names
+
+    params, specs = _scanned_gpt_params()
+    dims = muon_dimension_numbers(params, param_axis_names(params, specs))
+    blocks = dims["blocks"]
+    assert tuple(blocks["attn"]["query"]["kernel"]) == (1, (2, 3))  # (layers, embed, heads, kv)
+    assert tuple(blocks["attn"]["out"]["kernel"]) == ((1, 2), 3)  # (layers, heads, kv, embed)
+    assert tuple(blocks["mlp"]["fc"]["kernel"]) == (1, (2,))  # (layers, embed, mlp)
+    assert tuple(blocks["mlp"]["proj"]["kernel"]) == ((1,), 2)  # (layers, mlp, embed)
+    for vector in (blocks["attn"]["query"]["bias"], blocks["mlp"]["fc"]["bias"], blocks["ln_1"]["scale"],
+                   dims["wte"]["embedding"], dims["wpe"]["embedding"], dims["ln_f"]["scale"]):
+        assert vector is None
+    # Without names only 2-D leaves are matrices (a stacked kernel is 3-D: it goes to Adam).
+    by_rank = muon_dimension_numbers(params)
+    assert by_rank["blocks"]["attn"]["query"]["kernel"] is None
+    assert by_rank["blocks"]["mlp"]["fc"]["bias"] is None  # a bias by name, whatever its rank
+    flat = {"w": jnp.zeros((4, 8)), "b": {"bias": jnp.zeros((4, 8))}, "v": jnp.zeros((8,))}
+    is_dims = lambda d: d is None or isinstance(d, optax.contrib.MuonDimensionNumbers)  # noqa: E731
+    assert jax.tree.map(lambda d: d is not None, muon_dimension_numbers(flat), is_leaf=is_dims) == \
+        {"w": True, "b": {"bias": False}, "v": False}
+
+
+def test_muon_refuses_a_model_without_weight_matrices() -> None:
+    import dataclasses
+
+    from jax.sharding import PartitionSpec as P
+
+    params = {"bias": jnp.zeros((8,)), "wte": {"embedding": jnp.zeros((8, 4))}}
+    axes = {"bias": P("vocab"), "wte": {"embedding": P("vocab", "embed")}}
+    with pytest.raises(ConfigError) as info:
+        build_optimizer("muon", 1e-2, dataclasses.replace(OptimizerSettings(), param_axes=axes), 1.0)
+    assert info.value.key == "optimizer.name" and "matrices" in str(info.value)
+    del params

@@ -7,12 +7,13 @@ returned directly) and puts global-norm clipping in front.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from optax import contrib as optax_contrib
 
 from runner.errors import ConfigError
@@ -24,6 +25,9 @@ OPTIMIZERS: Registry[OptimizerBuilder] = Registry("optimizer", "optimizer.name")
 
 # A parameter whose path contains one of these (case-insensitive) is an embedding table.
 EMBEDDING_MARKERS = ("embed", "wte", "wpe", "embedding")
+# Flax's names for parameters that are vectors however they are shaped (a bias over heads x
+# head_dim is 2-D, and 3-D once layers are stacked).
+VECTOR_NAMES = ("bias", "scale")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,10 @@ class OptimizerSettings:
     momentum: float = 0.9
     nesterov: bool = False
     decay_embeddings_and_norms: bool = False
+    # Not a config key: the model's logical axis names per parameter (a pytree like the params,
+    # of `PartitionSpec`s of names), filled in by the trainer so muon can tell a weight matrix's
+    # input, output and stacked-layer axes apart. None: judge by rank alone.
+    param_axes: Any = field(default=None, compare=False)
 
 
 def _key_name(key: Any) -> str:
@@ -106,30 +114,82 @@ def sgd(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> o
     return optax.chain(optax.add_decayed_weights(settings.weight_decay, _mask(settings)), tx)
 
 
-def muon_dimension_numbers(params: Any) -> Any:
-    """Muon for 2-D non-embedding matrices; ``None`` sends everything else to Adam.
+def _matrix_axes(names: tuple[Any, ...]) -> optax_contrib.MuonDimensionNumbers | None:
+    """Muon's (reduction, output) axes of one weight, from its logical axis names.
 
-    optax's default already sends non-2-D leaves to Adam; embeddings go there too because
-    orthogonalising a lookup table's update is not what Muon is for (Jordan et al.). 3-D+
-    kernels (stacked layers, multi-head projections) go to Adam as well: which of their axes
-    form the matrix is model-specific, so a job wanting Muon there should pass its own optax
-    object built with ``muon_weight_dimension_numbers``.
+    Stacked layers (``layers``) are batch axes, orthogonalised one layer at a time. Every
+    transformer matrix either reads the residual stream (``embed`` first: the rest is its
+    output, e.g. the heads x head_dim of a query projection) or writes it (``embed`` last: the
+    rest is its input). Vectors (biases, norm scales) and vocabulary tables are not matrices.
     """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: optax_contrib.MuonDimensionNumbers()
-        if jnp.ndim(x) == 2 and not is_embedding_path(path) else None,
-        params,
-    )
+    if "vocab" in names:
+        return None
+    free = [i for i, name in enumerate(names) if name != "layers"]
+    if len(free) < 2:
+        return None
+    if names[free[0]] == "embed":
+        return optax_contrib.MuonDimensionNumbers(free[0], tuple(free[1:]))
+    if names[free[-1]] == "embed":
+        return optax_contrib.MuonDimensionNumbers(tuple(free[:-1]), free[-1])
+    if len(free) == 2:  # a plain (in, out) matrix
+        return optax_contrib.MuonDimensionNumbers(free[0], free[1])
+    return None
+
+
+def _dims_of(path: tuple[Any, ...], names: tuple[Any, ...]) -> optax_contrib.MuonDimensionNumbers | None:
+    """One parameter's Muon axes from its path and its per-axis names (None where unnamed)."""
+    if is_embedding_path(path) or (path and _key_name(path[-1]) in VECTOR_NAMES):
+        return None
+    if all(name is None for name in names):  # no layout known: only a 2-D leaf is a matrix
+        return optax_contrib.MuonDimensionNumbers() if len(names) == 2 else None
+    return _matrix_axes(names)
+
+
+def param_axis_names(params: Any, specs: Any) -> Any:
+    """Per-parameter logical names padded to the parameter's rank, as `PartitionSpec`s (leaves)."""
+    return jax.tree.map(lambda x, spec: P(*tuple(spec), *(None,) * (jnp.ndim(x) - len(tuple(spec)))),
+                        params, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def muon_dimension_numbers(params: Any, param_axes: Any = None) -> Any:
+    """Muon's dimension numbers per parameter; ``None`` sends that parameter to Adam.
+
+    With the model's logical axis names (`param_axes`, see `param_axis_names`), every weight
+    matrix goes to Muon, also when stacked over scanned layers or shaped (embed, heads,
+    head_dim); see `_matrix_axes`. Without them only 2-D leaves count as matrices (a leading
+    layer axis can't be told from a matrix axis by shape alone). Embeddings always go to Adam:
+    orthogonalising a lookup table's update is not what Muon is for (Jordan et al.).
+    """
+    if param_axes is None:
+        return jax.tree_util.tree_map_with_path(lambda path, x: _dims_of(path, (None,) * jnp.ndim(x)), params)
+
+    def dims(path: tuple[Any, ...], spec: P, leaf: Any) -> Any:
+        # Inside muon's partition, parameters that are not Muon's arrive as MaskedNodes.
+        return leaf if isinstance(leaf, optax.MaskedNode) else _dims_of(path, tuple(spec))
+
+    return jax.tree_util.tree_map_with_path(dims, param_axes, params, is_leaf=lambda x: isinstance(x, P))
+
+
+def _has_matrix(param_axes: Any) -> bool:
+    named = jax.tree_util.tree_leaves_with_path(param_axes, is_leaf=lambda x: isinstance(x, P))
+    return any(_dims_of(path, tuple(spec)) is not None for path, spec in named)
 
 
 @OPTIMIZERS.register("muon")
 def muon(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> optax.GradientTransformation:
     """optax.contrib.muon: ``momentum``/``nesterov`` drive Muon, ``b1``/``b2`` its Adam half.
 
-    optax gives the Adam half (norms, biases, embeddings, non-2-D leaves) one unmasked decay
-    rate, so it takes none unless ``decay_embeddings_and_norms`` is set. Unlike adamw, that
-    leaves 3-D+ kernels undecayed by default.
+    Which parameters are matrices is decided by `muon_dimension_numbers`. optax gives the Adam
+    half (norms, biases, embeddings) one unmasked decay rate, so it takes none unless
+    ``decay_embeddings_and_norms`` is set: the same parameters adamw's mask leaves undecayed.
+    A model with no weight matrix at all is refused here, before any device work.
     """
+    if settings.param_axes is not None and not _has_matrix(settings.param_axes):
+        raise ConfigError(
+            "optimizer.name", "muon",
+            "Muon orthogonalises the updates of weight matrices, and this model has none it can use "
+            "(every parameter is a vector, an embedding table or of unknown layout).",
+            "choose another optimizer (adamw, lion, adafactor, sgd) for this model.")
     return optax_contrib.muon(
         learning_rate,
         beta=settings.momentum,
@@ -140,7 +200,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> 
         adam_b1=settings.b1,
         adam_b2=settings.b2,
         adam_weight_decay=settings.weight_decay if settings.decay_embeddings_and_norms else 0.0,
-        muon_weight_dimension_numbers=muon_dimension_numbers,
+        muon_weight_dimension_numbers=lambda params: muon_dimension_numbers(params, settings.param_axes),
     )
 
 
@@ -150,21 +210,21 @@ def _is_number(value: object) -> bool:
 
 def validate_settings(settings: OptimizerSettings) -> None:
     """Raise a ConfigError naming the first bad field."""
-    for field in ("b1", "b2", "momentum"):
-        value = getattr(settings, field)
+    for name in ("b1", "b2", "momentum"):
+        value = getattr(settings, name)
         if not _is_number(value) or not 0 <= value < 1:
-            raise ConfigError(f"optimizer.{field}", value, "must be a number in [0, 1).",
-                              f"use a decay rate such as {getattr(OptimizerSettings, field)}.")
+            raise ConfigError(f"optimizer.{name}", value, "must be a number in [0, 1).",
+                              f"use a decay rate such as {getattr(OptimizerSettings, name)}.")
     if not _is_number(settings.eps) or settings.eps <= 0:
         raise ConfigError("optimizer.eps", settings.eps, "must be a number > 0.", "use e.g. 1e-8.")
     if not _is_number(settings.weight_decay) or settings.weight_decay < 0:
         raise ConfigError("optimizer.weight_decay", settings.weight_decay, "must be a number >= 0.",
                           "use 0 for no weight decay, or e.g. 0.1.")
-    for field in ("nesterov", "decay_embeddings_and_norms"):
-        value = getattr(settings, field)
+    for name in ("nesterov", "decay_embeddings_and_norms"):
+        value = getattr(settings, name)
         if not isinstance(value, bool):
-            raise ConfigError(f"optimizer.{field}", value, "must be true or false.",
-                              f"set optimizer.{field} to true or false.")
+            raise ConfigError(f"optimizer.{name}", value, "must be true or false.",
+                              f"set optimizer.{name} to true or false.")
 
 
 def _resolve(
