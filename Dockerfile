@@ -1,13 +1,13 @@
 # The runner image. `docker run IMAGE job=gpt_small topology=v4-32` trains, as `python -m runner`
 # does (README, "Launching"). Build with tools/build_image.py, or directly:
 #
-#   docker build -t runner .                                    # TPU (libtpu), python:3.11-slim
+#   docker build -t runner .                                    # TPU (libtpu), python:3.12-slim
 #   docker build -t runner --build-arg JAX_FLAVOUR=cuda .       # jax[cuda12]
 #   docker build -t runner --secret id=ca,src=corp.pem .        # behind a TLS-intercepting proxy
 #
-# BASE_IMAGE: any Debian/Ubuntu-like image with Python >= 3.11 and its venv module.
+# BASE_IMAGE: any Debian/Ubuntu-like image with Python >= 3.12 and its venv module.
 # JAX_FLAVOUR: tpu (the package's `tpu` extra: libtpu), cpu (plain jax), cuda (jax[cuda12]).
-ARG BASE_IMAGE=python:3.11-slim
+ARG BASE_IMAGE=python:3.12-slim
 
 # ---- build: a virtual environment with runner installed (not editable) -------------------------
 FROM ${BASE_IMAGE} AS build

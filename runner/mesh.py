@@ -4,7 +4,7 @@
 all-reduces should cross the slow data-centre network), ``fsdp`` shards parameters and
 optimizer state as well as the batch, and ``tensor`` shards within layers.
 
-Meshes use ``AxisType.Auto`` on every axis. ``jax.make_mesh`` (JAX 0.10) defaults to
+Meshes use ``AxisType.Auto`` on every axis. ``jax.make_mesh`` (since JAX 0.10) defaults to
 ``Explicit`` axes, which changes tracing semantics (shardings become part of array types and
 ops can demand explicit resharding), while ``jax.sharding.Mesh`` defaults to ``Auto``. We
 want classic GSPMD behaviour driven by ``in_shardings``/``out_shardings`` and

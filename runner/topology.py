@@ -7,8 +7,9 @@ memory estimates and MFU, so they are deliberately nominal (usable HBM is a litt
 
 Name rules, as Cloud TPU spells accelerator types:
 
-* ``v2``/``v3``/``v4``/``v5p`` count TensorCores: ``v4-32`` is 16 chips. v4 and v5p are
-  megacore (JAX sees one device per chip); v2 and v3 expose each core as a JAX device.
+* ``v2``/``v3``/``v4``/``v5p``/``tpu7x`` count TensorCores: ``v4-32`` is 16 chips. v4 and
+  v5p are megacore (JAX sees one device per chip); v2, v3 and tpu7x (Ironwood, two chiplets
+  per chip) expose each core as a JAX device.
 * ``v5e`` (alias ``v5litepod``) and ``v6e`` count chips: ``v6e-8`` is 8 chips.
 * ``Nx<name>`` is N identical slices joined by the data-centre network (multi-slice).
 * ``cpu-N``: N (simulated) CPU devices in one process. ``gpu-N`` / ``h100-N`` / ``h200-N`` /
@@ -16,7 +17,7 @@ Name rules, as Cloud TPU spells accelerator types:
 * ``auto``: whatever this process sees; every count is 0, ``chip`` and ``physical_shape``
   are None, and ``check_devices`` accepts anything.
 
-Hosts per slice: v2/v3/v4/v5p hosts hold 4 chips. v5e and v6e slices of up to 8 chips are
+Hosts per slice: v2/v3/v4/v5p/tpu7x hosts hold 4 chips. v5e and v6e slices of up to 8 chips are
 single-host (the ``-1t``/``-4t``/``-8t`` machine types of the Cloud TPU v5e/v6e docs);
 larger slices are built from 4-chip hosts (``ct5lp-hightpu-4t`` / ``ct6e-standard-4t``),
 so ``v5e-16`` is 4 hosts and ``v5e-256`` is 64.
@@ -67,6 +68,7 @@ CHIPS: dict[str, Chip] = {
         Chip("v5p", 95 * GiB, 459e12, 2, 4, 1, "cores", 4),
         Chip("v5e", 16 * GiB, 197e12, 1, 4, 1, "chips", 8),
         Chip("v6e", 32 * GiB, 918e12, 1, 4, 1, "chips", 8),
+        Chip("tpu7x", 192 * GiB, 2307e12, 2, 4, 2, "cores", 4),  # Ironwood
         Chip("h100", 80 * GiB, 989e12, 1, 8, 1, "chips", 8),
         Chip("h200", 141 * GiB, 989e12, 1, 8, 1, "chips", 8),
         Chip("a100", 80 * GiB, 312e12, 1, 8, 1, "chips", 8),
@@ -100,6 +102,9 @@ _SLICE_SHAPES: dict[str, tuple[tuple[int, ...], ...]] = {
     ),
     "v5e": _shapes("1x1 2x2 2x4 4x4 4x8 8x8 8x16 16x16"),
     "v6e": _shapes("1x1 2x2 2x4 4x4 4x8 8x8 8x16 16x16"),
+    # Ironwood pods are built of 4x4x4 cubes, as v5p's are; the common shapes.
+    "tpu7x": _shapes("2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x8x8 8x8x8 8x8x16 8x16x16 16x16x16 16x16x24"
+                     " 16x24x24"),
 }
 
 
@@ -272,7 +277,7 @@ def _chips_per_host_bounds(topology: Topology) -> tuple[int, int, int]:
 
 def _wrap(gen: str, shape: tuple[int, ...]) -> tuple[bool, bool, bool] | None:
     """Torus wrap-around links: full 4x4x4 cubes on v4/v5p, full 16-chip rows on v5e/v6e."""
-    if gen in ("v4", "v5p"):
+    if gen in ("v4", "v5p", "tpu7x"):
         full = all(d % 4 == 0 for d in shape)
         return (full, full, full)
     if gen in ("v5e", "v6e"):
@@ -280,7 +285,7 @@ def _wrap(gen: str, shape: tuple[int, ...]) -> tuple[bool, bool, bool] | None:
     return None
 
 
-_AOT_PREFIX = {"v2": "v2", "v3": "v3", "v4": "v4", "v5p": "v5", "v5e": "v5e", "v6e": "v6e"}
+_AOT_PREFIX = {"v2": "v2", "v3": "v3", "v4": "v4", "v5p": "v5", "v5e": "v5e", "v6e": "v6e", "tpu7x": "tpu7x"}
 
 
 def aot_topology_args(topology: Topology) -> dict[str, Any]:
@@ -288,8 +293,9 @@ def aot_topology_args(topology: Topology) -> dict[str, Any]:
 
     ``get_topology_desc(**aot_topology_args(t)).devices`` gives compile-only devices for
     ``mode=compile`` (this needs libtpu installed, not TPU hardware). The spelling follows
-    MaxText's accelerator table: ``v4:2x2x4``, v5p spelled ``v5:...``, ``v5e:4x4``, ``v6e:2x4``.
-    Checked against libtpu 0.0.42.1 for v2, v3, v4, v5p, v5e and v6e, single- and multi-slice
+    MaxText's accelerator table: ``v4:2x2x4``, v5p spelled ``v5:...``, ``v5e:4x4``, ``v6e:2x4``,
+    ``tpu7x:2x2x2``. Checked against libtpu 0.0.50.1 for v2, v3, v4, v5p, v5e, v6e and tpu7x,
+    single- and multi-slice
     (``tests/test_aot.py`` keeps it checked): every argument matters there. Without
     ``chip_config_name="megacore"`` a v4/v5p slice has one device per TensorCore (twice too
     many), and without ``chips_per_host_bounds=(2, 4, 1)`` an 8-chip v5e/v6e host becomes two

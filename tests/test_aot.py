@@ -100,7 +100,8 @@ def test_a_tpu_topology_without_libtpu_says_how_to_install_it(tmp_path: Path) ->
 
 @needs_libtpu
 @pytest.mark.parametrize("name", ["v4-8", "v4-32", "2xv4-32", "v5p-8", "v5p-128", "2xv5p-128",
-                                  "v5litepod-8", "v5litepod-16", "v6e-8", "v6e-16", "v3-32"])
+                                  "v5litepod-8", "v5litepod-16", "v6e-8", "v6e-16", "v3-32",
+                                  "tpu7x-8", "tpu7x-16", "2xtpu7x-16", "tpu7x-128"])
 def test_aot_args_describe_the_named_slice_in_libtpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from jax.experimental import topologies
 
@@ -110,7 +111,8 @@ def test_aot_args_describe_the_named_slice_in_libtpu(name: str, monkeypatch: pyt
     devices = topologies.get_topology_desc(**aot_topology_args(t)).devices
     assert len(devices) == t.num_devices
     assert len({d.process_index for d in devices}) == t.num_hosts
-    kind = {"v3": "TPU v3", "v4": "TPU v4", "v5p": "TPU v5", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
+    kind = {"v3": "TPU v3", "v4": "TPU v4", "v5p": "TPU v5", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite",
+            "tpu7x": "TPU7x"}
     assert {d.device_kind for d in devices} == {kind[t.chip.name]}
     if t.num_slices > 1:
         assert sorted({d.slice_index for d in devices}) == list(range(t.num_slices))

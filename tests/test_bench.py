@@ -55,3 +55,25 @@ def test_bench_output_format(tmp_path: Path) -> None:
         subprocess.run([sys.executable, str(ROOT / "tools" / "plot_bench.py"), str(tmp_path / "bench.jsonl"),
                         "-o", str(out)], check=True, capture_output=True, timeout=120)
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_envs_parses_environments_and_compares_each_with_the_first() -> None:
+    import argparse
+
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_envs
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert bench_envs.parse_env("after=.venv/bin/python:XLA_FLAGS=--xla_a=1 --xla_b=2:OMP=1") == (
+        "after", ".venv/bin/python", {"XLA_FLAGS": "--xla_a=1 --xla_b=2", "OMP": "1"})
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_envs.parse_env("no-python")
+    records = [{"job": "gpt_tiny", "env": env, "tokens_per_s": tps, "baseline_tokens_per_s": tps,
+                "time_to_first_step_s": first, "mfu": 0.1}
+               for env, tps, first in (("before", 100.0, 10.0), ("after", 150.0, 5.0), ("before", 110.0, 12.0),
+                                       ("after", 140.0, 6.0))]
+    text = bench_envs.summary(records, ["before", "after"])
+    assert "runner tok/s 145 (1.381x)" in text and "first step s 5.5 (0.500x)" in text, text

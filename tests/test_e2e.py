@@ -93,3 +93,17 @@ def test_topology_mismatch_stops_before_training(tmp_path) -> None:
     result = run_runner(["topology=v4-32", "train.batch_size=16", "logging.wandb=disabled"], tmp_path)
     assert result.returncode == 2
     assert "mode=compile" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_default_run_makes_no_deprecated_calls(tmp_path) -> None:
+    """Every deprecation warning shown, and none of them pointing at runner's own code."""
+    import re
+
+    from tests.conftest import TINY
+
+    result = run_runner([*TINY, "train.steps=3", "checkpoint.every_steps=2"], tmp_path,
+                        PYTHONWARNINGS="always::DeprecationWarning,always::PendingDeprecationWarning,"
+                                       "always::FutureWarning")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = re.compile(r"/(runner|jobs)/[\w/]+\.py:\d+: \w*(Deprecation|Future)Warning")
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if ours.search(line)]

@@ -260,7 +260,7 @@ _MESH_SCRIPT = textwrap.dedent(
     cfg = GPTConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, tie_embeddings=False)
     model = GPT(cfg)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 8), dtype=np.int32)
-    # make_mesh defaults to Explicit axes in jax 0.10; linen's logical
+    # make_mesh defaults to Explicit axes (jax >= 0.10); linen's logical
     # constraints are with_sharding_constraint hints, which need Auto axes.
     mesh = jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 

@@ -150,7 +150,10 @@ def test_overfit_one_batch_profiler_norms_and_run_card(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     records = read_metrics(tmp_path / "run")
     losses = [r["loss"] for r in records if "loss" in r]
-    assert losses[0] > 3.0 and losses[-1] < 0.5  # memorised
+    # Memorised: a byte-level model this small gets nowhere near 1 nat per byte on text it has not
+    # seen, only on the one batch it is shown again and again (which batch depends on the corpus,
+    # i.e. on the Python version's standard library).
+    assert losses[0] > 3.0 and losses[-1] < 1.0
     norms = [r for r in records if "grad_norm/block_0" in r]
     assert [r["step"] for r in norms] == [20, 40, 60, 80]
     assert {"param_norm/wte", "update_norm/block_1", "grad_norm/ln_f"} <= set(norms[0])

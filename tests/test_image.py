@@ -51,11 +51,11 @@ def test_build_commands_are_the_same_dockerfile_for_both_builders(tmp_path: Path
     assert docker.stdout == shlex.join(["docker", "build", *common]) + "\n"
     buildah = build_tool("--builder", "buildah", *args)
     assert buildah.stdout == shlex.join(["buildah", "bud", "--isolation", "chroot", "--layers", *common]) + "\n"
-    # The defaults: the tpu flavour on python:3.11-slim, no CA secret.
+    # The defaults: the tpu flavour on python:3.12-slim, no CA secret.
     default = build_tool("--builder", "docker", "--dry-run")
     assert default.stdout == shlex.join(
         ["docker", "build", "--file", str(ROOT / "Dockerfile"), "--tag", "runner:latest",
-         "--build-arg", "BASE_IMAGE=python:3.11-slim", "--build-arg", "JAX_FLAVOUR=tpu", str(ROOT)]) + "\n"
+         "--build-arg", "BASE_IMAGE=python:3.12-slim", "--build-arg", "JAX_FLAVOUR=tpu", str(ROOT)]) + "\n"
 
 
 def test_base_from_rootfs_then_build(tmp_path: Path) -> None:
@@ -83,11 +83,16 @@ def test_user_errors_exit_2(tmp_path: Path) -> None:
 
 def test_dockerfile_pyproject_and_tool_agree() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    (version,) = re.findall(r"^ARG BASE_IMAGE=python:(3\.\d+)-slim$", text, re.M)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = re.fullmatch(r">=(3\.\d+)", project["requires-python"])[1]
+    # The base image's Python is one the package installs on, and the tool builds on the same.
+    assert tuple(map(int, version.split("."))) >= tuple(map(int, required.split("."))), (version, required)
+    assert build_image.DEFAULT_BASE_IMAGE == f"python:{version}-slim"
     assert re.findall(r"^ARG JAX_FLAVOUR=(\w+)$", text, re.M) == ["tpu", "tpu"]
     (case,) = re.findall(r"^\s+(\w+(?:\|\w+)*)\) ;;", text, re.M)
     assert set(case.split("|")) == set(build_image.FLAVOURS)
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = project["optional-dependencies"]
     assert "tpu" in extras  # JAX_FLAVOUR=tpu installs this extra
     assert text.rstrip().endswith('ENTRYPOINT ["python", "-m", "runner"]')
     # What the image needs is not excluded from the build context.
@@ -108,16 +113,16 @@ def _base_image_args(builder: str) -> list[str]:
     if os.environ.get("RUNNER_IMAGE_TEST_ROOTFS"):
         return ["--base-rootfs", os.environ["RUNNER_IMAGE_TEST_ROOTFS"]]
     cache = Path(os.environ.get("RUNNER_IMAGE_TEST_CACHE", Path.home() / ".cache" / "runner-image-test"))
-    tarball = cache / "bookworm-python3.tar"
+    tarball = cache / "trixie-python3.tar"
     if not tarball.exists():
         if shutil.which("debootstrap") is None or os.geteuid() != 0:
-            pytest.fail("No base image: set RUNNER_IMAGE_TEST_BASE=python:3.11-slim (a reachable registry) or "
+            pytest.fail("No base image: set RUNNER_IMAGE_TEST_BASE=python:3.12-slim (a reachable registry) or "
                         "RUNNER_IMAGE_TEST_ROOTFS=rootfs.tar, or run as root with debootstrap installed.")
         rootfs = cache / "rootfs"
         shutil.rmtree(rootfs, ignore_errors=True)
         cache.mkdir(parents=True, exist_ok=True)
         made = _sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
-                    "bookworm", str(rootfs), "http://deb.debian.org/debian"], timeout=1800)
+                    "trixie", str(rootfs), "http://deb.debian.org/debian"], timeout=1800)
         assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
         shutil.rmtree(rootfs / "var" / "lib" / "apt" / "lists", ignore_errors=True)
         for deb in (rootfs / "var" / "cache" / "apt" / "archives").glob("*.deb"):

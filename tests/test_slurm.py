@@ -107,11 +107,11 @@ srun --unbuffered --output {folder}/%A_%a/%A_%a_%t_log.out {python} -u -m submit
 
 def test_dry_run_single_cpu_job_and_errors() -> None:
     out = dry_run("hydra.launcher.tasks_per_node=4", "hydra.launcher.cpus_per_task=2", "hydra.launcher.mem_gb=64",
-                  "hydra.launcher.setup=[module load python/3.11]")
+                  "hydra.launcher.setup=[module load python/3.12]")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "#SBATCH --ntasks-per-node=4" in lines and "#SBATCH --cpus-per-task=2" in lines
-    assert "#SBATCH --mem=64GB" in lines and "module load python/3.11" in lines
+    assert "#SBATCH --mem=64GB" in lines and "module load python/3.12" in lines
     assert not any(line.startswith("#SBATCH --array") or line.startswith("#SBATCH --gpus") for line in lines)
 
     bad = dry_run("hydra.launcher.nodes=two")

@@ -28,6 +28,14 @@ def test_v5litepod_and_v5e_are_the_same_slice():
     assert (a.num_chips, a.num_devices, a.num_hosts, a.physical_shape) == (16, 16, 4, (4, 4))
 
 
+def test_tpu7x_counts_cores_and_shows_two_devices_per_chip():
+    t = parse_topology("tpu7x-16")  # Ironwood: 8 chips of two chiplets, 4 chips per host
+    assert (t.chips_per_slice, t.num_devices, t.num_hosts, t.physical_shape) == (8, 16, 2, (2, 2, 2))
+    assert t.chip.hbm_bytes_per_device == 96 * 2**30
+    assert t.peak_bf16_flops == 8 * 2307e12
+    assert aot_topology_args(t)["topology_name"] == "tpu7x:2x2x2"
+
+
 def test_v6e_8_is_one_host_of_8_chips():
     t = parse_topology("v6e-8")
     assert (t.num_chips, t.num_devices, t.num_hosts, t.physical_shape) == (8, 8, 1, (2, 4))

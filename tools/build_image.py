@@ -3,13 +3,13 @@
 Why two builders: laptops and CI runners have a docker daemon; build hosts inside containers and
 locked-down machines often have none, and buildah builds the same Dockerfile without one.
 
-    python tools/build_image.py                                     # tpu flavour, python:3.11-slim
+    python tools/build_image.py                                     # tpu flavour, python:3.12-slim
     python tools/build_image.py --flavour cpu --tag runner:cpu
     python tools/build_image.py --ca-bundle corp.pem               # TLS-intercepting proxy
     python tools/build_image.py --base-rootfs rootfs.tar --flavour cpu   # no registry reachable
 
 --base-rootfs makes the base image from a root filesystem tarball (e.g. from debootstrap with
-python3 and python3-venv) first, for machines that cannot pull python:3.11-slim.
+python3 and python3-venv) first, for machines that cannot pull python:3.12-slim.
 --dry-run prints the commands instead of running them.
 """
 
@@ -30,7 +30,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 USAGE_EXIT_CODE = 2
 FLAVOURS = ("tpu", "cpu", "cuda")
-DEFAULT_BASE_IMAGE = "python:3.11-slim"
+DEFAULT_BASE_IMAGE = "python:3.12-slim"
 
 
 def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.base_rootfs is not None and not args.base_rootfs.is_file():
         fail(f"--base-rootfs {args.base_rootfs} is not a file. Fix: give a root filesystem tarball "
              "(e.g. `debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "
-             "bookworm rootfs && tar -C rootfs -cf rootfs.tar .`).")
+             "trixie rootfs && tar -C rootfs -cf rootfs.tar .`).")
     if args.base_rootfs is not None and args.base_image != DEFAULT_BASE_IMAGE:
         fail("--base-image and --base-rootfs both name the base image. Fix: give one of them.")
     builder = pick_builder(args.builder)
