@@ -71,9 +71,11 @@ def test_bench_envs_parses_environments_and_compares_each_with_the_first() -> No
         "after", ".venv/bin/python", {"XLA_FLAGS": "--xla_a=1 --xla_b=2", "OMP": "1"})
     with pytest.raises(argparse.ArgumentTypeError):
         bench_envs.parse_env("no-python")
-    records = [{"job": "gpt_tiny", "env": env, "tokens_per_s": tps, "baseline_tokens_per_s": tps,
-                "time_to_first_step_s": first, "mfu": 0.1}
-               for env, tps, first in (("before", 100.0, 10.0), ("after", 150.0, 5.0), ("before", 110.0, 12.0),
-                                       ("after", 140.0, 6.0))]
+    records = [{"job": "gpt_tiny", "env": env, "repeat": rep, "tokens_per_s": tps, "baseline_tokens_per_s": tps,
+                "time_to_first_step_s": first, "baseline_first_step_s": first}
+               for env, rep, tps, first in (("before", 0, 100.0, 10.0), ("after", 0, 150.0, 5.0),
+                                            ("before", 1, 200.0, 12.0), ("after", 1, 220.0, 6.0),
+                                            ("before", 2, 100.0, 10.0), ("after", 2, 130.0, 4.0))]
     text = bench_envs.summary(records, ["before", "after"])
-    assert "runner tok/s 145 (1.381x)" in text and "first step s 5.5 (0.500x)" in text, text
+    # medians 100 vs 150; paired ratios 1.5, 1.1, 1.3 -> 1.3 (not 150 / 100)
+    assert "runner tok/s 150 (1.300x)" in text and "first step s 5 (0.500x)" in text, text
