@@ -189,7 +189,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> 
             "optimizer.name", "muon",
             "Muon orthogonalises the updates of weight matrices, and this model has none it can use "
             "(every parameter is a vector, an embedding table or of unknown layout).",
-            "choose another optimizer (adamw, lion, adafactor, sgd) for this model.")
+            f"choose another optimizer for this model: one of "
+            f"{', '.join(n for n in OPTIMIZERS.names() if n != 'muon')}.")
     return optax_contrib.muon(
         learning_rate,
         beta=settings.momentum,
