@@ -28,12 +28,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Sequence
 
-from runner.errors import UserError
+from runner.errors import UserError, first_line
+from runner.exits import DOES_NOT_FIT_EXIT_CODE
 from runner.spec import ExecutionSpec
 from runner.topology import GiB, Topology, aot_topology_args, parse_topology
-
-# Exit code of mode=compile when the train step does not fit in device memory.
-DOES_NOT_FIT_EXIT_CODE = 3
 
 INSTALL_TPU_EXTRA = "pip install -e '.[tpu]'"
 
@@ -239,7 +237,7 @@ def compile_devices(topology: Topology) -> list[Any]:
         else:
             failure = None
     if failure is not None:
-        detail = str(failure).strip().splitlines()[0][:400] if str(failure).strip() else type(failure).__name__
+        detail = first_line(failure)
         raise UserError(
             f"libtpu could not describe topology={topology.name} (get_topology_desc with {args}): {detail}."
             f" Fix: make sure libtpu is the version runner pins (`{INSTALL_TPU_EXTRA}`); libtpu's log"
@@ -251,21 +249,6 @@ def compile_devices(topology: Topology) -> list[Any]:
             f" {topology.num_devices}. Fix: install the libtpu version runner pins, `{INSTALL_TPU_EXTRA}`."
         )
     return devices
-
-
-def abstract_batch(job: Any) -> dict[str, Any]:
-    """The (S, B/S, T) batch of one step as ShapeDtypeStructs with the trainer's sharding; the
-    per-row shapes and dtypes come from one example of the job's own data pipeline."""
-    import jax
-
-    from runner.mesh import microbatch_sharding
-
-    t = job.spec.train
-    example = job.strategy.train(t.seq_len, job.spec.seed)[0]
-    sharding = microbatch_sharding(job.mesh)
-    rows = t.batch_size // t.accumulate_steps
-    return {k: jax.ShapeDtypeStruct((t.accumulate_steps, rows, *v.shape), v.dtype, sharding=sharding)
-            for k, v in example.items()}
 
 
 def _limit(topology: Topology, devices: Sequence[Any]) -> tuple[int | None, str]:
@@ -345,8 +328,8 @@ def compile_report(spec: ExecutionSpec) -> CompileReport:
     devices = compile_devices(topology)
     job = JOBS.get(spec.job.trainer)(spec, devices=devices)
     abstract, job.state_sharding = job.abstract_state()
-    batch = abstract_batch(job)
-    step = job.compiled_train_step()
+    batch = job.abstract_batch()
+    step = job.compiled_train_step  # the very function training runs
     limit, limit_source = _limit(topology, devices)
     report = CompileReport(
         job=spec.job.name, topology=topology.name, devices=len(devices),

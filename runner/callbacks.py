@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from runner.exits import HookError
 from runner.registry import Registry
 
 if TYPE_CHECKING:
@@ -22,16 +23,6 @@ EVENTS = (
 )
 
 CALLBACKS: Registry[type] = Registry("callback", "callbacks")
-
-
-class HookError(Exception):
-    """A hook raised; the run saves its last good state and stops (exit code 1)."""
-
-    exit_code = 1
-
-    def __init__(self, hook: str, error: BaseException) -> None:
-        self.hook = hook
-        super().__init__(f"hook {hook} raised {type(error).__name__}: {error}")
 
 
 class CallbackList:
@@ -52,3 +43,9 @@ class CallbackList:
                 method(trainer, **info)
             except Exception as err:
                 raise HookError(f"{type(cb).__module__}.{type(cb).__qualname__}.{event}", err) from err
+
+
+def check_spec(spec: "ExecutionSpec") -> None:
+    """The callbacks list: every entry imports."""
+    for name in spec.callbacks:
+        CALLBACKS.get(name)

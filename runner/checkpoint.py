@@ -7,7 +7,12 @@ Layout under the run directory::
                                 tracker run id, best-metric bookkeeping
 
 Orbax writes each step into a temporary directory and renames it on commit, so an interrupted
-save is never picked up; leftovers are removed when the manager opens.
+save is never picked up; leftovers are removed when the manager opens. Which steps are saved is
+`SavePolicy`'s call (step interval, time interval, best-metric evaluations, the last step);
+which are kept is orbax's preservation policies (newest K, every P-th, best K).
+
+Named snapshots (`save_named`) lie outside that rotation, in `<run.dir>/snapshots/<name>/`,
+with the same state/ and meta/ layout, so run.init_from and mode=eval read them too.
 """
 
 from __future__ import annotations
@@ -17,23 +22,18 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from runner.errors import UserError
+from runner.errors import UserError, first_line
 from runner.spec import CheckpointSpec
 
 log = logging.getLogger(__name__)
 
 STATE, META = "state", "meta"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:400]
 
 
 class CheckpointWriteError(UserError):
@@ -47,16 +47,78 @@ class Restored:
     meta: dict[str, Any]
 
 
-def _save_policy(spec: CheckpointSpec) -> policies.SaveDecisionPolicy:
-    chosen: list[policies.SaveDecisionPolicy] = []
-    if spec.every_steps:
-        chosen.append(policies.FixedIntervalPolicy(spec.every_steps))
-    if spec.every_minutes:
-        # Seconds as a float: int() would turn every_minutes below 1/60 into "no interval".
-        chosen.append(policies.ContinuousCheckpointingPolicy(minimum_interval_secs=spec.every_minutes * 60))
-    if not chosen:  # only forced saves (final, preemption)
-        chosen.append(policies.SpecificStepsPolicy(steps=()))
-    return policies.AnySavePolicy(chosen)
+class SavePolicy:
+    """Which steps are saved: every checkpoint.every_steps steps; every checkpoint.every_minutes
+    by `clock` (minutes since this launch's start or its latest save); with checkpoint.keep_best,
+    every step whose best_metric was evaluated (so BestN can keep it); and, by `last=True`, the
+    last step of a launch. The time decision must be the same on every process: with several,
+    `agree` (any process says yes) combines them every `agree_every` steps."""
+
+    def __init__(self, spec: CheckpointSpec, clock: Callable[[], float] = time.monotonic,
+                 agree: Optional[Callable[[bool], bool]] = None, agree_every: int = 1,
+                 warn: Callable[[str], None] = log.warning) -> None:
+        self.spec, self.clock, self.agree, self.agree_every, self.warn = spec, clock, agree, agree_every, warn
+        self.last_save_time = clock()
+        self.best: dict[str, Any] = {}  # best_metric's best value so far and its step (in every meta)
+        self._measured: Optional[tuple[int, float]] = None  # (step, best_metric) of the latest evaluation
+        self._decided: tuple[int, bool] = (-1, False)
+
+    @property
+    def metric(self) -> str:
+        return best_metric_name(self.spec)
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is saved. Asked once or more per step; the intervals are decided once
+        per step (the time decision may be a collective), an evaluation of best_metric counts
+        whenever it happened."""
+        if self.metrics(step) is not None:
+            return True
+        if self._decided[0] != step:
+            self._decided = (step, self._interval_due(step))
+        return self._decided[1]
+
+    def _interval_due(self, step: int) -> bool:
+        if self.spec.every_steps and step % self.spec.every_steps == 0:
+            return True
+        if not self.spec.every_minutes:
+            return False
+        timely = self.clock() - self.last_save_time >= self.spec.every_minutes * 60
+        if self.agree is None:
+            return timely
+        return step % self.agree_every == 0 and self.agree(timely)
+
+    def saved(self, step: int) -> None:
+        self.last_save_time = self.clock()
+
+    def note_evaluation(self, step: int, results: Mapping[str, float], complete: bool) -> None:
+        """Remember best_metric if this evaluation measured it (it is then saved with this step);
+        `complete` says every evaluator ran, so a missing metric is a mistake in the config."""
+        c = self.spec
+        if not c.keep_best:
+            return
+        name = self.metric
+        if name not in results:
+            if complete and results:
+                problem = (f"checkpoint.best_metric={c.best_metric!r} is not a metric the evaluators log. "
+                           f"Fix: use one of: {', '.join(sorted(results))}.")
+                if step == 0:
+                    raise UserError(problem)
+                self.warn(problem)
+            return
+        if step == 0:  # the untrained baseline is never saved, so it is no candidate
+            return
+        value = float(results[name])
+        self._measured = (step, value)
+        best = self.best if self.best.get("metric") == name and self.best.get("mode") == c.best_mode else {}
+        if not best or (value < best["value"] if c.best_mode == "min" else value > best["value"]):
+            best = {"metric": name, "mode": c.best_mode, "step": step, "value": value}
+        self.best = best
+
+    def metrics(self, step: int) -> Optional[dict[str, float]]:
+        """{best_metric: value} when it was evaluated at this very step (else None)."""
+        if not self.spec.keep_best or self._measured is None or self._measured[0] != step:
+            return None
+        return {self.metric: self._measured[1]}
 
 
 def _preservation_policy(spec: CheckpointSpec) -> policies.PreservationPolicy:
@@ -85,11 +147,14 @@ def _best_value(spec: CheckpointSpec) -> Callable[[dict[str, Any]], float]:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every process calls every method."""
 
-    def __init__(self, directory: Path, spec: CheckpointSpec) -> None:
+    def __init__(self, directory: Path, spec: CheckpointSpec, policy: Optional[SavePolicy] = None) -> None:
         self.directory = Path(directory).absolute()
         self.spec = spec
+        self.policy = policy or SavePolicy(spec)
+        self.saved_step: Optional[int] = None  # the newest step saved or restored by this launch
         options = ocp.CheckpointManagerOptions(
-            save_decision_policy=_save_policy(spec),
+            # runner decides when (SavePolicy) and saves with force=True; orbax never saves by itself
+            save_decision_policy=policies.SpecificStepsPolicy(steps=()),
             preservation_policy=_preservation_policy(spec),
             # With best_fn set orbax also writes each save's metrics (checkpoints/<step>/metrics),
             # so the ranking survives restarts.
@@ -120,28 +185,26 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def should_save(self, step: int) -> bool:
-        """Whether the save policy asks for a save at `step`. Asked every step, so the common
-        case (one process, a step interval, no time interval) is answered without orbax."""
-        if jax.process_count() == 1 and not self.spec.every_minutes:
-            if not self.spec.every_steps or step % self.spec.every_steps:
-                return False
-        return self.manager.should_save(step)
-
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], force: bool = False,
-             metrics: dict[str, float] | None = None) -> bool:
-        """Start a save (asynchronous unless configured otherwise); returns whether it began.
-        `metrics` (with checkpoint.keep_best: {best_metric: value}) rank it for BestN."""
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+    def save(self, step: int, state: Any, meta: Callable[[], dict[str, Any]], last: bool = False) -> bool:
+        """Start saving `state` (a tree of arrays) at `step` if the policy wants this step, or
+        always with `last` (unless this step is saved already); asynchronous unless configured
+        otherwise. `meta()` is the JSON record, built only when a save happens. Returns whether
+        a save began."""
+        if step == self.saved_step or not (last or self.policy.due(step)):
+            return False
+        metrics = self.policy.metrics(step)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta())})
         try:
-            return self.manager.save(step, args=args, force=force,
-                                     metrics=(metrics or {}) if self.spec.keep_best else None)
+            self.manager.save(step, args=args, force=True, metrics=(metrics or {}) if self.spec.keep_best else None)
         except Exception as err:  # OSError, or tensorstore's ValueError(OUT_OF_RANGE ...) for a full disk
             raise CheckpointWriteError(
-                f"Saving checkpoint step {step} into {self.directory} failed: {_first_line(err)}. Earlier checkpoints "
+                f"Saving checkpoint step {step} into {self.directory} failed: {first_line(err)}. Earlier checkpoints "
                 "are untouched. Fix: free disk space or make the directory writable, then rerun the same "
                 "command to resume from the newest complete checkpoint."
             ) from None
+        self.saved_step = step
+        self.policy.saved(step)
+        return True
 
     def wait(self) -> None:
         """Block until every pending save is committed."""
@@ -149,7 +212,7 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as err:  # tensorstore reports a full disk as ValueError(OUT_OF_RANGE ...)
             raise CheckpointWriteError(
-                f"A checkpoint save into {self.directory} failed: {_first_line(err)}. Earlier checkpoints are untouched. "
+                f"A checkpoint save into {self.directory} failed: {first_line(err)}. Earlier checkpoints are untouched. "
                 "Fix: free disk space or make the directory writable, then rerun to resume."
             ) from None
 
@@ -182,6 +245,8 @@ class Checkpointer:
                 if state is None:
                     damaged.append(step)
                     continue
+                self.saved_step = step
+                self.policy.best = dict(meta.get("best") or {})
                 return Restored(step=step, state=state, meta=meta)
             return None
         finally:
@@ -193,8 +258,7 @@ class Checkpointer:
         try:
             return read()
         except Exception as err:  # orbax/tensorstore raise many types for damaged files
-            first_line = str(err).splitlines()[0][:300] if str(err) else ""
-            reason = f"{type(err).__name__}: {first_line}"
+            reason = f"{type(err).__name__}: {first_line(err, 300)}"
             where = self.directory / str(step)
             if on_damaged == "stop":
                 raise UserError(
@@ -248,3 +312,79 @@ def restore_tree(state_dir: Path, abstract_tree: Any, partial: bool) -> Any:
 def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs (with shardings) describing `tree`, for restoring into its layout."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+# ----------------------------------------------------------------------------- named snapshots
+
+
+def save_named(directory: Path, state: Any, meta: dict[str, Any]) -> Path:
+    """Save a snapshot outside the step rotation (awaited; replaces an older one of that name)."""
+    directory = Path(directory).absolute()
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            checkpointer.save(directory, args=args, force=True)
+    except Exception as err:
+        raise CheckpointWriteError(
+            f"Saving the snapshot {directory} failed: {first_line(err)}. Fix: free disk space or make the "
+            "directory writable."
+        ) from None
+    return directory
+
+
+def restore_named(directory: Path, abstract_state: Any) -> Restored:
+    """Restore a snapshot written by `save_named`, or any one step directory."""
+    directory = Path(directory).absolute()
+    if not (directory / STATE).is_dir():
+        raise UserError(f"There is no checkpoint at {directory}. Fix: name a snapshot this run saved, or a step "
+                        "number of its checkpoints/.")
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()})
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(directory, args=args)
+    meta = dict(restored[META] or {})
+    return Restored(step=int(meta.get("step", 0)), state=restored[STATE], meta=meta)
+
+
+def check_compatible(saved: Mapping[str, Any], model_shapes: Mapping[str, Any], fingerprint: str,
+                     allow_data_change: bool, directory: Path, warn: Callable[[str], None] = log.warning) -> None:
+    """Refuse to resume a checkpoint (its meta: `saved`) of another model, or of other data unless
+    checkpoint.allow_data_change says so."""
+    shapes = saved.get("model_shapes")
+    if shapes is not None and shapes != model_shapes:
+        changed = sorted(k for k in set(shapes) | set(model_shapes) if shapes.get(k) != model_shapes.get(k))
+        raise UserError(
+            f"The checkpoints in {directory} are of a different model: parameter shapes differ at "
+            f"{', '.join(changed[:5])}. Fix: use the model settings of that run (see its spec.yaml), or a new "
+            "run.dir for the new model."
+        )
+    theirs = saved.get("data_fingerprint")
+    if theirs is not None and theirs != fingerprint:
+        if allow_data_change:
+            warn(f"resuming on different data (fingerprint {theirs[:12]} -> {fingerprint[:12]}), as "
+                 "checkpoint.allow_data_change allows")
+            return
+        raise UserError(
+            f"The checkpoints in {directory} were trained on other data (data fingerprint {theirs[:12]} there, "
+            f"{fingerprint[:12]} now; sources there: {saved.get('spec', {}).get('data', {}).get('sources')}). "
+            "Fix: use the data settings of that run, set checkpoint.allow_data_change=true to continue on the new "
+            "data on purpose, or use a new run.dir."
+        )
+
+
+def warm_start(init_from: str, init_mode: str, abstract_tree: Any) -> dict[str, Any]:
+    """What run.init_from gives a new run: the parameters of another run's newest (or named)
+    checkpoint, or with run.init_mode=full its whole state (a tree shaped like `abstract_tree`)."""
+    state_dir = find_state_dir(init_from)
+    try:
+        if init_mode == "full":
+            tree = restore_tree(state_dir, abstract_tree, partial=False)
+        else:
+            tree = restore_tree(state_dir, {"params": abstract_tree["params"]}, partial=True)
+    except (ValueError, KeyError) as err:
+        raise UserError(
+            f"Cannot warm start from {state_dir}: {first_line(err, 300)}. Fix: the source run must have the same "
+            "model shapes (and, with run.init_mode=full, the same optimizer)."
+        ) from None
+    if jax.process_index() == 0:
+        print(f"warm start: {init_mode} from {state_dir}", flush=True)
+    return tree

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.errors import USAGE_EXIT_CODE, UserError
+from runner.errors import UserError
+from runner.exits import PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
+from runner.files import atomic_write
 
 CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 CONFIG_NAME = "config"
@@ -87,9 +89,7 @@ def write_resolved_spec(spec: Any) -> None:
     run_dir = Path(spec.run.dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "spec.yaml.tmp"
-        tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
-        os.replace(tmp, run_dir / "spec.yaml")
+        atomic_write(run_dir / "spec.yaml", OmegaConf.to_yaml(OmegaConf.structured(spec)))
     except OSError as err:
         raise UserError(f"Cannot write the run directory run.dir={spec.run.dir!r}: {err.strerror}. "
                         "Fix: choose a writable location with free space for run.dir.") from None
@@ -112,14 +112,12 @@ def execute(spec: Any) -> None:
     tpu_hosts = topology.num_hosts if topology.platform == "tpu" and _tpu_present() else 0
     distributed.maybe_initialize(spec.distributed, tpu_hosts)  # before any other JAX use
     from runner.job import JOBS
-    from runner.callbacks import HookError
-    from runner.trainer import PREEMPTED_EXIT_CODE, Preempted, TrainingHalted
+    from runner.exits import HookError, Preempted, TrainingHalted
 
     if spec.mode == "eval":  # evaluate a checkpoint's parameters; no training, run dir untouched
-        from runner.evaluation.standalone import spec_for_checkpoint
+        from runner.evaluation.standalone import evaluate_checkpoint
 
-        spec = spec_for_checkpoint(spec)
-        JOBS.get(spec.job.trainer)(spec).run_eval()
+        evaluate_checkpoint(spec)
         return
     if spec.mode != "train":
         raise UserError(f"mode={spec.mode} is not available yet in this version of runner. "
@@ -129,8 +127,8 @@ def execute(spec: Any) -> None:
     job = job_class(spec)
     try:
         job.run()
-    except Preempted:
-        sys.exit(PREEMPTED_EXIT_CODE)
+    except Preempted as stop:
+        sys.exit(stop.exit_code)
     except (HookError, TrainingHalted) as err:  # the last good state is saved
         fail(str(err), err.exit_code)
 
@@ -144,8 +142,9 @@ def task(cfg: Any) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from runner.config import build_spec
     from runner.job import load_job_modules
-    from runner.spec import build_spec, register_schema
+    from runner.spec import register_schema
 
     register_schema()
     load_job_modules()
@@ -166,7 +165,7 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
     import jax
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.spec import build_spec
+    from runner.config import build_spec
     from runner.sweep import SweepSummary
 
     hydra_cfg = HydraConfig.get()
@@ -182,10 +181,10 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
         status, message = "failed", " ".join(str(err).split())
         print(f"error: {message}", file=sys.stderr, flush=True)
     except SystemExit as stop:
-        if _in_sweep_process:  # a stop (SIGTERM: exit 75) ends the whole local sweep; rerun resumes
+        if _in_sweep_process:  # a stop (SIGTERM: PREEMPTED_EXIT_CODE) ends the whole local sweep; rerun resumes
             summary.record(hydra_cfg.job.num, overrides, run_dir, f"stopped (exit {stop.code})")
             raise
-        status = "stopped (resumable)" if stop.code == 75 else "failed"
+        status = "stopped (resumable)" if stop.code == PREEMPTED_EXIT_CODE else "failed"
         message = f"exit code {stop.code}"
     except Exception as err:  # one member's crash must not stop the others
         status, message = "failed", f"{type(err).__name__}: {err}"

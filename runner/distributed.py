@@ -11,7 +11,9 @@ at a collective.
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from runner.errors import ConfigError
 from runner.spec import DistributedSpec
 
 INIT_TIMEOUT_S = 300
@@ -30,7 +32,7 @@ def settings(spec: DistributedSpec, topology_hosts: int = 0) -> tuple[str | None
     JAX's own cluster detection is used on SLURM allocations of several tasks, on TPU pods that
     name their workers, and whenever the topology asked for spans several TPU hosts (inside a
     container the worker variables may be missing; JAX then asks the TPU VM's metadata)."""
-    coordinator = spec.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    coordinator = spec.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     num = spec.num_processes if spec.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     pid = spec.process_id if spec.process_id is not None else _env_int("JAX_PROCESS_ID")
     on_slurm = (_env_int("SLURM_NTASKS") or 1) > 1 and "SLURM_JOB_ID" in os.environ
@@ -73,3 +75,22 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
+
+
+def check_spec(spec: Any) -> None:
+    """The distributed section: several processes need a coordinator and a process id (or a
+    cluster JAX detects by itself), else each would train alone, silently."""
+    d = spec.distributed
+    coordinator, num, pid, auto = settings(d)
+    if auto or num is None or num <= 1:
+        return
+    if coordinator is None:
+        raise ConfigError("distributed.coordinator_address", None,
+                          f"distributed.num_processes={num} asks for {num} processes, but nothing says where "
+                          "they meet.", "set distributed.coordinator_address=HOST:PORT (the same on every process; "
+                          "process 0 listens there) or JAX_COORDINATOR_ADDRESS, or drop distributed.num_processes "
+                          "to train in one process.")
+    if pid is None:
+        raise ConfigError("distributed.process_id", None,
+                          f"with distributed.num_processes={num}, each process needs its own number.",
+                          f"set distributed.process_id=0 .. {num - 1} (or JAX_PROCESS_ID) on each process.")

@@ -1,7 +1,8 @@
-"""RestoreableJob: the lifecycle every runner job shares.
+"""RestoreableJob: the lifecycle every runner job shares, as one template.
 
-restore the newest complete checkpoint (if any) -> run -> save a final checkpoint, awaited.
-A finished run that is launched again says so and exits cleanly without doing any work.
+load (the newest complete checkpoint, if any) -> done? -> train -> save (awaited) -> conclude.
+A finished run that is launched again says so and exits cleanly without doing any work. A job
+fills in the steps; it never replaces `run`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import abc
 import importlib
 import pkgutil
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from runner.errors import ConfigError
+from runner.exits import HookError
 from runner.registry import Registry
 from runner.spec import ExecutionSpec
 
@@ -49,20 +52,43 @@ class RestoreableJob(abc.ABC, Generic[C]):
 
     @abc.abstractmethod
     def save(self, suffix: Path | None = None) -> None:
-        """Save a checkpoint and wait until it is committed."""
+        """Save a checkpoint (also under the name `suffix`, if given) and wait until it is committed."""
 
     @abc.abstractmethod
-    def train(self) -> None:
-        """Do the work, from wherever `load` left the state."""
+    def train(self) -> Any:
+        """Do the work, from wherever `load` left the state; returns what `conclude` needs."""
 
-    def run(self) -> None:
-        """Main entry point, called on every process: restore, work, final save."""
-        self.load()
-        if self.done:
-            self.finished_already()
-            return
-        self.train()
-        self.save()
+    def conclude(self, outcome: Any) -> None:
+        """After the final save: report, or raise what the exit code should say."""
+
+    def close(self) -> None:
+        """Release what the run holds open (always called, however the run ends)."""
 
     def finished_already(self) -> None:
         """Called when a relaunched run has nothing left to do."""
+
+    def run(self) -> None:
+        """Main entry point, called on every process: restore, work, final save, conclude."""
+        try:
+            self.load()
+            if self.done:
+                self.finished_already()
+                return
+            try:
+                outcome = self.train()
+            except HookError:  # user code failed between steps: the state is good, keep it
+                self.save()
+                raise
+            self.save()
+            self.conclude(outcome)
+        finally:
+            self.close()
+
+
+def check_spec(spec: ExecutionSpec) -> None:
+    """The job section: job.trainer names a job class."""
+    job = JOBS.get(spec.job.trainer)
+    if not (isinstance(job, type) and issubclass(job, RestoreableJob)):
+        raise ConfigError("job.trainer", spec.job.trainer, "it is not a job class (a RestoreableJob).",
+                          f"name one of: {', '.join(JOBS.names())}, or your own subclass of "
+                          "runner.trainer.BaseTrainer by import path.")

@@ -23,6 +23,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from runner.errors import ConfigError, UserError
+from runner.topology import parse_topology
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -126,3 +127,24 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def microbatch_sharding(mesh: Mesh) -> NamedSharding:
     """For (steps, batch, seq) arrays fed to a gradient-accumulation scan: split the batch."""
     return NamedSharding(mesh, P(None, BATCH_AXES, None))
+
+
+def check_spec(spec: Any) -> None:
+    """The mesh against the topology: every micro-batch (and eval batch) splits evenly over the
+    data x fsdp ways of the mesh the topology gives."""
+    topology = parse_topology(spec.topology)
+    if not topology.num_devices:
+        return
+    t = spec.train
+    shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, topology.num_devices)
+    batch_ways = shape["data"] * shape["fsdp"]
+    micro = t.batch_size // t.accumulate_steps
+    if micro % batch_ways:
+        raise ConfigError("train.batch_size", t.batch_size,
+                          f"each micro-batch ({micro} sequences) must split evenly over the mesh's "
+                          f"data x fsdp = {batch_ways} ways on topology {spec.topology}.",
+                          f"use a batch size whose micro-batch is a multiple of {batch_ways}.")
+    if spec.eval.batch_size % batch_ways:
+        raise ConfigError("eval.batch_size", spec.eval.batch_size,
+                          f"it must split evenly over the mesh's data x fsdp = {batch_ways} ways.",
+                          f"use a multiple of {batch_ways}.")

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 from rich.console import Console
+
+from runner.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,9 +50,7 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
             continue
         if record.get("step", 0) <= last_step:
             kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(line + "\n" for line in kept))
 
 
 class Progress:
@@ -136,6 +135,21 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(dict(metrics), step=step)
 
+    def log_eval(self, step: int, results: Mapping[str, float], texts: Mapping[str, str]) -> None:
+        """An evaluation: its metrics and texts in metrics.jsonl (texts as strings) and wandb (texts
+        as a table), and its headline numbers on the progress line."""
+        if not self.active or not (results or texts):
+            return
+        self.log(step, {**results, **texts})
+        if texts and self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "name", "text"], data=[[step, k, v] for k, v in texts.items()])
+            self.wandb_run.log({"eval/texts": table}, step=step)
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in results.items()
+                          if k.endswith(("/loss", "/acc", "/acc_norm")))
+        self.progress.message(f"eval @ step {step}: {shown or f'{len(results)} metrics'}")
+
     def close(self) -> None:
         self.progress.close()
         if self._file is not None:
@@ -149,16 +163,17 @@ class MetricsLogger:
 class Timer:
     """Throughput and ETA from wall time between reads, excluding the first (compiling) step."""
 
-    def __init__(self, start_step: int, total_steps: int) -> None:
+    def __init__(self, start_step: int, total_steps: int, clock: Callable[[], float] = time.perf_counter) -> None:
         self.total_steps = total_steps
+        self.clock = clock
         self.t0: float | None = None
         self.step0 = start_step
-        self.last_t = time.perf_counter()
+        self.last_t = clock()
         self.last_dt = 0.0
 
     def tick(self, step: int) -> tuple[float, float]:
         """Returns (seconds for this step, ETA seconds)."""
-        now = time.perf_counter()
+        now = self.clock()
         dt, self.last_t = now - self.last_t, now
         self.last_dt = dt
         if self.t0 is None:  # first step includes compilation

@@ -6,11 +6,12 @@ spec) and rewritten at the end with the final metrics.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
+
+from runner.files import atomic_write
 
 RUN_CARD = "RUN_CARD.md"
 
@@ -41,7 +42,44 @@ def write(run_dir: Path, spec: Any, facts: Mapping[str, Any], final: Mapping[str
                   for k, v in final.items() if "_norm/" not in k]
     lines += ["", "## Resolved spec", "", "```yaml", OmegaConf.to_yaml(OmegaConf.structured(spec)).rstrip(), "```", ""]
     path = run_dir / RUN_CARD
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, "\n".join(lines))
+
+
+def run_facts(params: Any, flops_per_token: float, mesh: Any, executable: Any, state: Any) -> dict[str, Any]:
+    """Parameter count, FLOPs per token, mesh and per-device memory: from the compiled step's
+    memory analysis (arguments, outputs, temporaries), else from the state's shards."""
+    import jax
+    import numpy as np
+
+    facts: dict[str, Any] = {
+        "parameters": sum(int(x.size) for x in jax.tree.leaves(params)),
+        "flops_per_token": flops_per_token,
+        "mesh": dict(mesh.shape), "devices": jax.device_count(), "processes": jax.process_count(),
+    }
+    try:
+        stats = executable.memory_analysis()
+        facts["memory_per_device_bytes"] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+        facts["memory_source"] = "compiled train step: arguments + outputs + temporaries"
+    except Exception:  # some backends report no memory analysis
+        shards = [s.data for x in jax.tree.leaves(state) for s in getattr(x, "addressable_shards", [])[:1]]
+        facts["memory_per_device_bytes"] = sum(int(np.prod(d.shape)) * d.dtype.itemsize for d in shards)
+        facts["memory_source"] = "train state only"
+    return facts
+
+
+def summary(spec: Any, step: int, restored_step: Optional[int], seconds: float, last_metrics: Mapping[str, float],
+            last_eval: Mapping[str, float], checkpoint: Path, metrics_file: Path) -> str:
+    """The lines printed when a run finishes."""
+    trained = step - (restored_step or 0)
+    tokens = trained * spec.train.batch_size * spec.train.seq_len
+    lines = [
+        "",
+        f"Finished {spec.job.name}: {step} steps ({trained} this launch), {tokens:,} tokens in {seconds:.1f}s",
+        f"  final train loss {last_metrics.get('loss', float('nan')):.4f}",
+    ]
+    lines += [f"  final eval {k.removeprefix('eval/')} {v:.4f}" for k, v in last_eval.items()
+              if k.endswith(("loss", "perplexity"))]
+    lines.append(f"  checkpoint: {checkpoint}")
+    lines.append(f"  metrics:    {metrics_file}")
+    return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, first_line
 
 MODES = ("train", "eval", "compile")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -184,7 +184,7 @@ def evaluator_spec(entry: Any, key: str) -> EvaluatorSpec:
         return OmegaConf.to_object(OmegaConf.merge(node, entry))  # type: ignore[return-value]
     except OmegaConfBaseException as err:  # a value of the wrong type
         setting = str(getattr(err, "full_key", "") or "").split(".")[0].split("[")[0]
-        problem = " ".join(str(err).split("\n")[0].split()).rstrip(".")
+        problem = first_line(err).rstrip(".")
         raise ConfigError(f"{key}.{setting}" if setting in entry else key, entry.get(setting, entry),
                           f"{problem}.", "give the setting a value of its type (see EvaluatorSpec in "
                           "runner/spec.py).") from None
@@ -354,17 +354,10 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def validate(spec: ExecutionSpec) -> None:
-    """Reject every bad value before any device work. Raises ConfigError."""
-
-    from runner.data.strategies import DATASET_STRATEGIES
-    from runner.job import JOBS
-    from runner.mesh import resolve_mesh_shape
-    from runner.optim import OPTIMIZERS, build_optimizer, build_schedule
-    from runner.topology import parse_topology
+    """Reject every bad value the spec alone can judge (ranges, choices, one key against
+    another). The components check their own sections (runner.config). Raises ConfigError."""
 
     _one_of("mode", spec.mode, MODES)
-    JOBS.get(spec.job.trainer)
-    topology = parse_topology(spec.topology)
 
     m = spec.job.model
     _positive("job.model.scale", m.scale, allow_zero=True)
@@ -400,10 +393,6 @@ def validate(spec: ExecutionSpec) -> None:
     _positive("guard.spike_warmup", g.spike_warmup, allow_zero=True)
     _positive("debug.profile_steps", spec.debug.profile_steps, allow_zero=True)
     _positive("debug.norms_every", spec.debug.norms_every, allow_zero=True)
-    from runner.callbacks import CALLBACKS
-
-    for name in spec.callbacks:
-        CALLBACKS.get(name)
     if t.seq_len > m.context_length:
         raise ConfigError("train.seq_len", t.seq_len,
                           f"it is longer than the model's context (job.model.context_length={m.context_length}).",
@@ -418,57 +407,25 @@ def validate(spec: ExecutionSpec) -> None:
         if value == 0 or value < -1:
             raise ConfigError(f"mesh.{key}", value, "mesh sizes are positive, or -1 for 'the rest'.",
                               f"set mesh.{key} to a positive size or -1.")
-    if topology.num_devices:
-        shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, topology.num_devices)
-        batch_ways = shape["data"] * shape["fsdp"]
-        micro = t.batch_size // t.accumulate_steps
-        if micro % batch_ways:
-            raise ConfigError("train.batch_size", t.batch_size,
-                              f"each micro-batch ({micro} sequences) must split evenly over the mesh's "
-                              f"data x fsdp = {batch_ways} ways on topology {spec.topology}.",
-                              f"use a batch size whose micro-batch is a multiple of {batch_ways}.")
-        if spec.eval.batch_size % batch_ways:
-            raise ConfigError("eval.batch_size", spec.eval.batch_size,
-                              f"it must split evenly over the mesh's data x fsdp = {batch_ways} ways.",
-                              f"use a multiple of {batch_ways}.")
-
-    DATASET_STRATEGIES.get(spec.data.strategy)
-    if not spec.data.sources and spec.data.strategy == "mixture":
-        raise ConfigError("data.sources", [], "a mixture needs at least one source.",
-                          "list sources, e.g. data.sources=[{path: default}].")
     _positive("data.prefetch", spec.data.prefetch, allow_zero=True)
     _positive("data.num_threads", spec.data.num_threads)
-
-    o = spec.optimizer
+    o, s = spec.optimizer, spec.schedule
     _positive("optimizer.lr", o.lr)
-    if not isinstance(o.name, str) or o.name not in OPTIMIZERS and not OPTIMIZERS.is_import_path(o.name):
-        OPTIMIZERS.get(o.name)
-    s = spec.schedule
     _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
     if not 0.0 <= s.final_lr_fraction <= 1.0:
         raise ConfigError("schedule.final_lr_fraction", s.final_lr_fraction, "it must be in [0, 1].",
                           "use e.g. 0.1 to end at a tenth of the peak learning rate.")
-    schedule = build_schedule(s.name, o.lr, t.steps, min(s.warmup_steps, t.steps),
-                              o.lr * s.final_lr_fraction, schedule_extra(spec))
-    build_optimizer(o.name, schedule, optimizer_settings(spec), o.clip_norm)
-
     _positive("eval.every", spec.eval.every, allow_zero=True)
     _positive("eval.batch_size", spec.eval.batch_size)
     _positive("eval.rows", spec.eval.rows)
-    from runner.evaluation import evaluator_class
-
     for i, ev in enumerate(spec.eval.evaluators):
         key = f"eval.evaluators[{i}]"
-        cls = evaluator_class(ev.name, f"{key}.name")
         if ev.every is not None:
             _positive(f"{key}.every", ev.every, allow_zero=True)
         if ev.rows is not None:
             _positive(f"{key}.rows", ev.rows)
         _positive(f"{key}.max_new_tokens", ev.max_new_tokens)
         _positive(f"{key}.temperature", ev.temperature, allow_zero=True)
-        check = getattr(cls, "check", None)
-        if callable(check):  # an evaluator's own checks of its settings (files, prompts, ...)
-            check(spec, ev, key)
 
     c = spec.checkpoint
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
@@ -504,27 +461,39 @@ def scaled_model(model: ModelSpec) -> ModelSpec:
     return dataclasses.replace(model, n_heads=model.scale, d_model=d_model, d_ff=4 * d_model)
 
 
-def schedule_extra(spec: ExecutionSpec) -> dict[str, Any]:
-    """Schedule settings that only some schedules take."""
-    return {"decay_fraction": spec.schedule.decay_fraction} if spec.schedule.name == "wsd" else {}
+def unknown_keys(cfg: Any, schema: type | None = None, prefix: str = "") -> list[tuple[str, Any]]:
+    """Keys of a composed config that no spec dataclass has (added with `+key=...`): OmegaConf
+    lets them through and only the frozen dataclass refuses them, with a traceback."""
+    schema = schema or ExecutionSpec
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    found: list[tuple[str, Any]] = []
+    for key in cfg.keys():
+        if key == "hydra" and not prefix:
+            continue
+        if key not in fields:
+            found.append((f"{prefix}{key}", OmegaConf.select(cfg, str(key), throw_on_missing=False)))
+            continue
+        kind = fields[key].type
+        kind = globals().get(kind, kind) if isinstance(kind, str) else kind
+        node = cfg._get_node(key)
+        if dataclasses.is_dataclass(kind) and isinstance(node, DictConfig) and not node._is_none():
+            found += unknown_keys(node, kind, f"{prefix}{key}.")
+    return found
 
 
-def optimizer_settings(spec: ExecutionSpec) -> Any:
-    from runner.optim import OptimizerSettings
-
-    o = spec.optimizer
-    return OptimizerSettings(weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-                             momentum=o.momentum, nesterov=o.nesterov)
-
-
-def build_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = (),
-               sweep_root: str | None = None) -> ExecutionSpec:
-    """Composed config -> validated, frozen ExecutionSpec with its run directory filled in.
+def resolve_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = (),
+                 sweep_root: str | None = None) -> ExecutionSpec:
+    """Composed config -> frozen ExecutionSpec with its run directory filled in and its values
+    checked (`validate`); runner.config.build_spec adds the components' checks.
 
     A sweep member's directory lies under its sweep's root, named by the member's overrides."""
 
     if isinstance(cfg, dict):
         cfg = OmegaConf.merge(schema_node(), cfg)
+    for key, value in unknown_keys(cfg)[:1]:
+        raise ConfigError(key, value, "runner has no setting of that name.",
+                          "remove it, or check its spelling and section: `python -m runner --cfg job` prints every "
+                          "key with its value.")
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     spec: ExecutionSpec = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=scaled_model(spec.job.model)))

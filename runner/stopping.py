@@ -1,13 +1,13 @@
 """When to stop before train.steps: a signal, a wall-clock limit, a step limit for this launch,
 or a kill-switch file. Each reason is agreed across processes, and each stop saves a checkpoint
-and exits with PREEMPTED_EXIT_CODE, so rerunning the same command continues the run."""
+and exits with runner.exits.PREEMPTED_EXIT_CODE, so rerunning the same command continues the run."""
 
 from __future__ import annotations
 
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from runner.distributed import any_process
 
@@ -15,10 +15,11 @@ REASONS = ("signal", "time limit", "launch step limit", "stop file")
 
 
 class StopConditions:
-    def __init__(self, spec: Any, run_dir: Path, start_step: int) -> None:
+    def __init__(self, spec: Any, run_dir: Path, start_step: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.start_step = start_step
-        self.started = time.monotonic()
+        self.clock = clock
+        self.started = clock()
         self.signal: Optional[int] = None
         stop_file = spec.train.stop_file
         self.stop_file = (run_dir / stop_file) if stop_file and not Path(stop_file).is_absolute() else (
@@ -36,7 +37,7 @@ class StopConditions:
             self.longest_step_s = max(self.longest_step_s, step_seconds)
             # leave room for a few more steps and a final save
             margin = 3 * self.longest_step_s + self.spec.train.time_limit_margin_s
-            if time.monotonic() - self.started + margin >= limit:
+            if self.clock() - self.started + margin >= limit:
                 return f"the time limit (train.time_limit_minutes={self.spec.train.time_limit_minutes})"
         if self.stop_file is not None and self.stop_file.exists():
             return f"the stop file {self.stop_file}"  # removed by consume_stop_file once honoured

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from runner.files import atomic_write_json
 
 SUMMARY_FILE = "summary.json"
 
@@ -89,6 +90,4 @@ class SweepSummary:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    atomic_write_json(path, data, indent=2)

@@ -320,3 +320,8 @@ def aot_topology_args(topology: Topology) -> dict[str, Any]:
     if wrap is not None:
         args["wrap"] = wrap
     return args
+
+
+def check_spec(spec: Any) -> None:
+    """The topology section: a name runner knows."""
+    parse_topology(spec.topology)

@@ -26,8 +26,11 @@ from runner.evaluation.heldout import HeldOutLoss
 from runner.evaluation.multiple_choice import MultipleChoice
 from runner.job import JOBS, load_job_modules
 from runner.models.gpt import GPT, GPTConfig
-from runner.spec import EvaluatorSpec, ExecutionSpec, build_spec, register_schema, spec_from_dict
-from runner.trainer import TrainState
+from runner.config import build_spec
+from runner.evaluation.base import EvalContext
+from runner.spec import EvaluatorSpec, ExecutionSpec, register_schema, spec_from_dict
+from runner.steps import make_val_step, val_step
+from runner.state import TrainState
 from tests.conftest import ROOT, TINY, read_metrics, run_runner
 
 register_schema()
@@ -129,19 +132,20 @@ def trainer(tmp_path_factory):
     mp.undo()
 
 
-def table_model(trainer: Any, logp: np.ndarray) -> TrainState:
-    """Install a 'model' whose next-token log-probabilities are row `logp[current token]`."""
+def table_model(trainer: Any, logp: np.ndarray) -> tuple[EvalContext, TrainState]:
+    """A 'model' whose next-token log-probabilities are row `logp[current token]`, and the small
+    context an evaluator sees (the trainer's mesh, data and device placement; this model's
+    validation step)."""
 
     def apply_fn(variables: Any, x: jax.Array, deterministic: bool = True) -> jax.Array:
         return variables["params"]["table"][x]
 
     state = TrainState.create(apply_fn=apply_fn, params={"table": jnp.asarray(logp, jnp.float32)},
                               tx=optax.sgd(0.0), rng=jax.random.PRNGKey(0))
-    trainer.state = state
-    trainer.state_sharding = jax.tree.map(
-        lambda _: jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec()), state)
-    trainer._compiled.clear()
-    return state
+    replicated = jax.tree.map(lambda _: jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec()), state)
+    ctx = EvalContext(spec=trainer.spec, mesh=trainer.mesh, strategy=trainer.strategy,
+                      val_step=make_val_step(val_step, replicated, trainer.mesh), to_device=trainer.to_device)
+    return ctx, state
 
 
 def test_heldout_loss_perplexity_bits_and_accuracy_by_hand(trainer) -> None:
@@ -149,9 +153,9 @@ def test_heldout_loss_perplexity_bits_and_accuracy_by_hand(trainer) -> None:
     V = 257
     logp = np.full((V, V), math.log(0.5 / (V - 1)))
     logp[np.arange(V), (np.arange(V) + 1) % V] = math.log(0.5)
-    state = table_model(trainer, logp)
+    ctx, state = table_model(trainer, logp)
     evaluator = HeldOutLoss(trainer.spec, EvaluatorSpec(name="heldout", rows=10))
-    got = evaluator.evaluate(trainer, state)
+    got = evaluator.evaluate(ctx, state)
 
     windows = trainer.strategy.validation(trainer.spec.train.seq_len, 10)["stdlib"]
     x = np.stack([windows[i]["x"] for i in range(10)])
@@ -165,11 +169,11 @@ def test_heldout_loss_perplexity_bits_and_accuracy_by_hand(trainer) -> None:
 
     trainer.strategy.bytes_per_token = 4.0  # a tokenizer whose tokens average 4 bytes
     try:
-        four = evaluator.evaluate(trainer, state)
+        four = evaluator.evaluate(ctx, state)
         assert four["stdlib/bits_per_byte"] == pytest.approx(loss / math.log(2) / 4, rel=1e-5)
         trainer.strategy.bytes_per_token = None  # unknown bytes: bits per token, never mislabelled
         trainer.strategy.tokenizer = "hf"
-        unknown = evaluator.evaluate(trainer, state)
+        unknown = evaluator.evaluate(ctx, state)
         assert "stdlib/bits_per_byte" not in unknown
         assert unknown["stdlib/bits_per_token"] == pytest.approx(loss / math.log(2), rel=1e-5)
     finally:
@@ -180,7 +184,7 @@ def test_heldout_loss_perplexity_bits_and_accuracy_by_hand(trainer) -> None:
 def test_val_step_sums_accuracy_over_micro_batches(trainer) -> None:
     rng = np.random.default_rng(0)
     V = 257
-    state = table_model(trainer, np.log(rng.dirichlet(np.ones(V), size=V)))
+    _, state = table_model(trainer, np.log(rng.dirichlet(np.ones(V), size=V)))
     batch = {"x": rng.integers(0, V, (8, 16)), "y": rng.integers(0, V, (8, 16)), "mask": np.ones((8, 16))}
     batch["y"][:, ::2] = np.argmax(np.asarray(state.params["table"]), -1)[batch["x"][:, ::2]]  # half right
     one = jax.jit(type(trainer).val_step)(state, {k: jnp.asarray(v)[None] for k, v in batch.items()})
@@ -198,14 +202,14 @@ def test_multiple_choice_sums_and_acc_norm_by_hand(trainer, tmp_path: Path) -> N
     p = np.full((V, V), 1.0 / V)  # each row sums to 1, so log p are the log-probabilities
     p[a], p[c] = 0.4 / (V - 3), 0.4 / (V - 1)  # what the named entries leave, spread evenly
     p[a, [b, c, d]], p[c, c] = [0.3, 0.2, 0.1], 0.6
-    table_model(trainer, np.log(p))
+    ctx, state = table_model(trainer, np.log(p))
     path = tmp_path / "tiny.jsonl"
     path.write_text('{"context": "a", "choices": ["b", "ccc"], "gold": 1}\n'
                     '{"context": "a", "choices": ["b", "d"], "gold": 0}\n')
     spec = dataclasses.replace(trainer.spec, eval=dataclasses.replace(
         trainer.spec.eval, evaluators=(EvaluatorSpec(name="multiple_choice", path=str(path)),)))
     evaluator = MultipleChoice(spec, spec.eval.evaluators[0])
-    got = evaluator.evaluate(trainer, trainer.state)
+    got = evaluator.evaluate(ctx, state)
     np.testing.assert_allclose(evaluator.loglikelihoods[0], [math.log(0.3), math.log(0.2 * 0.6 * 0.6)], rtol=1e-5)
     np.testing.assert_allclose(evaluator.loglikelihoods[1], [math.log(0.3), math.log(0.1)], rtol=1e-5)
     assert got == {"tiny/acc": 0.5, "tiny/acc_norm": 1.0, "tiny/questions": 2.0}
@@ -215,7 +219,7 @@ def test_a_prompt_longer_than_the_context_is_a_user_error(trainer) -> None:
     settings = EvaluatorSpec(name="generate", prompts=("x" * 30,), max_new_tokens=8)
     spec = dataclasses.replace(trainer.spec, eval=dataclasses.replace(trainer.spec.eval, evaluators=(settings,)))
     with pytest.raises(UserError) as info:
-        Generate(spec, settings).prepare(trainer)
+        Generate(spec, settings).prepare(trainer.eval_context())
     message = str(info.value)
     assert "eval.evaluators[0].prompts" in message and "38 positions" in message and "context of 32" in message
     assert "Fix:" in message
@@ -392,16 +396,22 @@ def test_best_k_ranking_survives_reopening_the_checkpoints(tmp_path: Path) -> No
 
     spec = CheckpointSpec(every_steps=0, keep=1, keep_best=2, best_metric="stdlib/loss", best_mode="min")
     state = {"x": jnp.ones(3)}
+
+    def save(checkpointer: Checkpointer, step: int, loss: float | None) -> None:
+        if loss is not None:  # an evaluation of the best metric at this step
+            checkpointer.policy.note_evaluation(step, {"eval/stdlib/loss": loss}, complete=True)
+        assert checkpointer.save(step, state, lambda: {}, last=loss is None)
+
     first = Checkpointer(tmp_path, spec)
     for step, loss in [(1, 3.0), (2, 1.0), (3, None), (4, 2.0)]:  # step 3: saved between evaluations
-        first.save(step, state, {}, force=True, metrics=None if loss is None else {"eval/stdlib/loss": loss})
+        save(first, step, loss)
     first.close()
     assert first.steps() == [2, 4]  # the two lowest losses; 4 is also the newest
     again = Checkpointer(tmp_path, spec)  # a resumed run: the ranking is read back from disk
-    again.save(5, state, {}, force=True, metrics={"eval/stdlib/loss": 5.0})
+    save(again, 5, 5.0)
     again.close()
     assert again.steps() == [2, 4, 5]
     again = Checkpointer(tmp_path, spec)
-    again.save(6, state, {}, force=True, metrics={"eval/stdlib/loss": 0.5})
+    save(again, 6, 0.5)
     again.close()
     assert again.steps() == [2, 6]

@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from runner.cli import CONF_DIR, CONFIG_NAME
 from runner.errors import ConfigError
 from runner.job import load_job_modules
-from runner.spec import ExecutionSpec, build_spec, derive_run_dir, register_schema, spec_from_dict
+from runner.config import build_spec
+from runner.spec import ExecutionSpec, derive_run_dir, register_schema, spec_from_dict
 from tests.conftest import run_runner
 
 register_schema()
@@ -109,3 +110,35 @@ def test_cfg_job_prints_the_resolved_config(tmp_path) -> None:
     result = run_runner(["--cfg", "job", "train.steps=17"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "steps: 17" in result.stdout and "trainer: gpt" in result.stdout
+
+
+def test_several_processes_without_a_coordinator_name_the_missing_key(monkeypatch) -> None:
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.delenv("JAX_PROCESS_ID", raising=False)
+    with pytest.raises(ConfigError) as info:
+        spec_for("distributed.num_processes=2")
+    assert info.value.key == "distributed.coordinator_address" and "Fix:" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        spec_for("distributed.num_processes=2", "distributed.coordinator_address=localhost:1234")
+    assert info.value.key == "distributed.process_id"
+    spec_for("distributed.num_processes=2", "distributed.coordinator_address=localhost:1234",
+             "distributed.process_id=1")  # complete: accepted
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    spec_for("distributed.num_processes=2")  # the standard JAX variables count too
+
+
+@pytest.mark.parametrize("override,key", [("+bogus=1", "bogus"), ("+job.model.n_kv=2", "job.model.n_kv"),
+                                          ("+train.stepz=3", "train.stepz")])
+def test_a_key_runner_does_not_have_is_a_config_error(override: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        spec_for(override)
+    assert info.value.key == key and "no setting of that name" in str(info.value)
+
+
+def test_new_key_and_lone_process_count_exit_2_from_the_command_line(tmp_path) -> None:
+    for args, key in ((["+bogus=1"], "`bogus=1`"), (["distributed.num_processes=2"], "distributed.coordinator_address")):
+        result = run_runner([*args, "train.steps=1"], tmp_path, JAX_COORDINATOR_ADDRESS="")
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert key in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1  # one paragraph

@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from runner.cli import CONF_DIR, CONFIG_NAME
 from runner.job import JOBS, load_job_modules
-from runner.spec import build_spec, register_schema
+from runner.config import build_spec
+from runner.spec import register_schema
 from tests.conftest import TINY
 
 register_schema()
@@ -85,29 +86,36 @@ def test_sharded_init_returns_variables_and_shardings(trainer) -> None:
     assert jax.tree.structure(variables) == jax.tree.structure(sharding)
 
 
-@pytest.mark.parametrize("every_steps,keep_every", [(0, 0), (3, 0), (5, 10)])
-def test_save_policy_answered_without_orbax_agrees_with_orbax(tmp_path, every_steps, keep_every) -> None:
-    """Checkpointer.should_save skips orbax on the common path; it must say what orbax says."""
-    from runner.checkpoint import Checkpointer
-    from runner.spec import CheckpointSpec
-
-    ckpt = Checkpointer(tmp_path / "ckpt", CheckpointSpec(every_steps=every_steps, keep_every=keep_every))
-    try:
-        for step in range(0, 31):
-            assert ckpt.should_save(step) == ckpt.manager.should_save(step), step
-    finally:
-        ckpt.close()
-
-
 def test_time_interval_below_a_second_is_kept() -> None:
     """checkpoint.every_minutes is a float: 0.005 min is a 0.3 s interval, not 'no interval'."""
-    from runner.checkpoint import _save_policy
+    from runner.checkpoint import SavePolicy
     from runner.spec import CheckpointSpec
-    from orbax.checkpoint import checkpoint_managers as policies
 
-    (timed,) = [p for p in _save_policy(CheckpointSpec(every_steps=0, every_minutes=0.005)).policies
-                if isinstance(p, policies.ContinuousCheckpointingPolicy)]
-    assert timed.minimum_interval_secs == pytest.approx(0.3)
+    now = [0.0]
+    policy = SavePolicy(CheckpointSpec(every_steps=0, every_minutes=0.005), clock=lambda: now[0])
+    now[0] = 0.29
+    assert not policy.due(1)
+    now[0] = 0.3
+    assert policy.due(2)
+
+
+def test_save_and_load_honour_the_suffix(trainer) -> None:
+    """save(suffix) also writes a named snapshot outside the rotation; load(suffix) restores it (or
+    the step of that number), exactly."""
+    from pathlib import Path
+
+    trainer.save(Path("before-change"))
+    snapshot = trainer.run_dir / "snapshots" / "before-change"
+    assert (snapshot / "state").is_dir() and (snapshot / "meta").is_dir()
+    saved = [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
+    trainer.state = trainer.state.replace(params=jax.tree.map(lambda x: x + 1.0, trainer.state.params))
+    assert trainer.load(Path("before-change"))
+    for a, b in zip(jax.tree.leaves(trainer.state.params), saved):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert trainer.step == 0 and trainer.checkpointer.steps() == [0]
+    assert trainer.load(Path("0"))  # a number names that step of checkpoints/
+    with pytest.raises(Exception, match="no checkpoint at"):
+        trainer.load(Path("nope"))
 
 
 def test_loop_runs_with_a_frozen_heap(trainer) -> None:

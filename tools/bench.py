@@ -5,7 +5,7 @@
     .venv/bin/python tools/bench.py --steps 12 --block 4 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
 
 Positional arguments are Hydra overrides, composed exactly as ``python -m runner`` composes them
-(runner.cli.precheck, then runner.spec.build_spec). How it measures, all in this one process:
+(runner.cli.precheck, then runner.config.build_spec). How it measures, all in this one process:
 
 * runner: the real ``BaseTrainer.run()`` (restore-or-init, compile, loader, the step loop with its
   metrics, evaluation at start and end, an asynchronous checkpoint save in the middle of the run and
@@ -57,7 +57,8 @@ def compose(overrides: list[str]) -> Any:
     """Overrides -> ExecutionSpec, as `python -m runner` does it."""
     from runner.cli import precheck
     from runner.job import load_job_modules
-    from runner.spec import build_spec, register_schema
+    from runner.config import build_spec
+    from runner.spec import register_schema
 
     register_schema()
     load_job_modules()

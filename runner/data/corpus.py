@@ -21,6 +21,7 @@ import numpy as np
 from runner.data.store import META_FILE, write_store
 from runner.data.tokenizer import ByteTokenizer
 from runner.errors import UserError
+from runner.files import cache_root
 
 STORE_NAME = "stdlib-byte-v1"
 DEFAULT_MAX_BYTES = 8 * 2**20  # a few seconds to prepare, ~8M byte tokens
@@ -34,15 +35,6 @@ _TOPICS = "pydoc_data/topics.py"
 class Document:
     name: str  # relative path (for topics: "pydoc_data/topics.py#topic"); decides the split
     text: str
-
-
-def cache_root() -> Path:
-    """``$RUNNER_CACHE``, else ``$XDG_CACHE_HOME/runner``, else ``~/.cache/runner``."""
-    if os.environ.get("RUNNER_CACHE"):
-        return Path(os.environ["RUNNER_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "runner"
-    return Path.home() / ".cache" / "runner"
 
 
 def stdlib_root() -> Path:

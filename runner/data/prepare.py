@@ -43,6 +43,7 @@ from runner.data.tokenizer import (
     load_tokenizer, parse_tokenizer_spec,
 )
 from runner.errors import ConfigError, UserError
+from runner.files import atomic_write, atomic_write_json, cache_root
 
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 64 * 2**20
@@ -429,12 +430,7 @@ def load_record(shard_dir: str | Path, index: int, itemsize: int) -> dict[str, A
 
 
 def _write_json_atomically(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as out:
-        json.dump(data, out, indent=1, sort_keys=True)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data, durable=True, indent=1, sort_keys=True)
 
 
 def _init_worker() -> None:
@@ -497,8 +493,6 @@ def _work_dir(args: argparse.Namespace, output: str) -> Path:
         return Path(args.work_dir).expanduser().absolute()
     if not is_remote(output):
         return Path(output + ".partial")
-    from runner.data.corpus import cache_root
-
     return cache_root() / "prepare" / hashlib.sha256(output.encode()).hexdigest()[:16]
 
 
@@ -697,9 +691,7 @@ def _train_bpe(target: Path, shards: Sequence[dict[str, Any]], args: argparse.Na
 
     print(f"Training a byte-level BPE of {vocab_size} tokens on the training documents.", file=sys.stderr, flush=True)
     tokenizer = TrainedBPE.train(texts(), vocab_size)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_bytes(tokenizer.data)
-    os.replace(tmp, target)
+    atomic_write(target, tokenizer.data)
 
 
 def _remove_stale_temporaries(output: str) -> None:

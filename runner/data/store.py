@@ -33,6 +33,7 @@ import numpy as np
 
 from runner.data.tokenizer import TOKENIZERS, Tokenizer
 from runner.errors import UserError
+from runner.files import atomic_write, cache_root
 
 FLAT_FORMAT = FORMAT = "runner-flat-v1"
 ZARR3_FORMAT = "runner-zarr3-v1"
@@ -197,15 +198,11 @@ class TokenStore:
             if not path.is_file():
                 raise _corrupt(self.location, f"{name}, named in {META_FILE}, is missing.")
             return path
-        from runner.data.corpus import cache_root
-
         data = self.read_file(name)
         path = cache_root() / "store-files" / hashlib.sha256(data).hexdigest() / name
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{name}.{secrets.token_hex(4)}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            atomic_write(path, data)
         return path
 
     def load_tokenizer(self) -> Tokenizer:

@@ -471,3 +471,11 @@ class SyntheticStrategy:
     def validation(self, seq_len: int, max_rows: int) -> dict[str, grain.MapDataset]:
         rows = RandomRows(self.vocab_size, seq_len, derive_seed("synthetic/val", bits=63))
         return {"synthetic": grain.MapDataset.range(max_rows).map(rows)}
+
+
+def check_spec(spec: Any) -> None:
+    """The data section: a known strategy, and sources for a mixture."""
+    DATASET_STRATEGIES.get(spec.data.strategy)
+    if not spec.data.sources and spec.data.strategy == "mixture":
+        raise ConfigError("data.sources", [], "a mixture needs at least one source.",
+                          "list sources, e.g. data.sources=[{path: default}].")

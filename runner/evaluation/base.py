@@ -1,10 +1,13 @@
 """The Evaluator protocol, the registry, and what every evaluator needs (rows split by process).
 
-An evaluator is anything with a ``name`` and ``evaluate(trainer, state) -> {metric: float}``.
-The trainer prefixes the names with ``eval/`` and logs them. Optional parts, used when present:
+An evaluator is anything with a ``name`` and ``evaluate(context, state) -> {metric: float}``,
+where ``context`` is an `EvalContext`: the few parts of a run an evaluator may use (spec, mesh,
+data strategy, model, the compiled validation step, how to put rows on the devices), never
+the trainer. The trainer prefixes the names with ``eval/`` and logs them. Optional parts, used
+when present:
 
 * ``every: int | None``: its cadence in steps (None: ``eval.every``; 0: only at start and end);
-* ``prepare(trainer)``: called once before the first evaluation, so bad data or prompts stop
+* ``prepare(context)``: called once before the first evaluation, so bad data or prompts stop
   the job before training rather than mid-run;
 * ``texts() -> {name: str}``: text made by the latest ``evaluate`` (samples, say). Metrics are
   floats; this is the side channel for text, logged as string fields of metrics.jsonl and as a
@@ -20,7 +23,9 @@ with no change to runner. Every evaluator is constructed as ``cls(spec, settings
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Generic, Mapping, Optional, Protocol, Sequence, TypeVar, runtime_checkable
+from dataclasses import dataclass
+from typing import (TYPE_CHECKING, Any, Callable, Generic, Mapping, Optional, Protocol, Sequence, TypeVar,
+                    runtime_checkable)
 
 import jax
 import numpy as np
@@ -35,13 +40,47 @@ if TYPE_CHECKING:
 M = TypeVar("M", covariant=True)
 
 
+@dataclass(frozen=True)
+class EvalContext:
+    """What an evaluator may use of a run."""
+
+    spec: "ExecutionSpec"
+    mesh: jax.sharding.Mesh
+    strategy: Any  # the run's DatasetStrategy: validation splits, tokenizer, vocabulary
+    val_step: Callable[[Any, Any], Any]  # compiled: (state, (S, B, T) batch) -> (loss_sum, count, meta)
+    to_device: Callable[[Mapping[str, np.ndarray]], Any]  # this process's (S, B, T) rows -> global arrays
+    model: Any = None  # the flax module (apply with {"params": state.params})
+    model_config: Any = None
+
+
 @runtime_checkable
 class Evaluator(Protocol, Generic[M]):
     """A name and an evaluate call returning a flat mapping of metric names to floats."""
 
     name: str
 
-    def evaluate(self, trainer: Any, state: Any) -> Mapping[str, float]: ...
+    def evaluate(self, context: Any, state: Any) -> Mapping[str, float]: ...
+
+
+def prepare_all(evaluators: Sequence[Any], context: EvalContext) -> None:
+    """Let each evaluator load and check its data now, so a bad file or prompt stops the job
+    before training (or before the first evaluation of a resumed run)."""
+    for ev in evaluators:
+        prepare = getattr(ev, "prepare", None)
+        if callable(prepare):
+            prepare(context)
+
+
+def run_all(evaluators: Sequence[Any], context: EvalContext, state: Any) -> tuple[dict[str, float], dict[str, str]]:
+    """Every evaluator on `state`: (metrics as `eval/<name>`, texts as `eval/<name>`)."""
+    results: dict[str, float] = {}
+    texts: dict[str, str] = {}
+    for ev in evaluators:
+        results.update({f"eval/{k}": float(v) for k, v in ev.evaluate(context, state).items()})
+        made = getattr(ev, "texts", None)
+        if callable(made):
+            texts.update({f"eval/{k}": str(v) for k, v in made().items()})
+    return results, texts
 
 
 EVALUATORS: Registry[type] = Registry("evaluator", "eval.evaluators")
@@ -59,7 +98,7 @@ def evaluator_class(name: str, key: str = "eval.evaluators") -> type:
                           "(on PYTHONPATH).") from None
     if not callable(cls) or not hasattr(cls, "evaluate"):
         raise ConfigError(key, name, "it is not an evaluator class (it has no `evaluate` method).",
-                          f"name a class with `name` and `evaluate(trainer, state)`, or one of: "
+                          f"name a class with `name` and `evaluate(context, state)`, or one of: "
                           f"{', '.join(EVALUATORS.names())}.")
     return cls
 
@@ -94,7 +133,7 @@ class EvaluatorBase:
         """A metric name under this evaluator's label."""
         return f"{self.label}/{metric}" if self.label else metric
 
-    def prepare(self, trainer: Any) -> None:
+    def prepare(self, context: Any) -> None:
         """Load and check data once, before the first evaluation."""
 
     def texts(self) -> Mapping[str, str]:
@@ -104,13 +143,13 @@ class EvaluatorBase:
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def text_tokenizer(trainer: Any, key: str) -> Any:
+def text_tokenizer(ctx: Any, key: str) -> Any:
     """The tokenizer of the training data, for evaluators that turn text into tokens: the
     strategy's own `load_tokenizer()` if it has one, else its first store's, else the
     registered tokenizer of that name."""
     from runner.data.tokenizer import TOKENIZERS
 
-    strategy = trainer.strategy
+    strategy = ctx.strategy
     name = getattr(strategy, "tokenizer", None)
     if name and callable(getattr(strategy, "load_tokenizer", None)):
         return strategy.load_tokenizer()
@@ -120,25 +159,25 @@ def text_tokenizer(trainer: Any, key: str) -> Any:
         return store.load_tokenizer()
     if not name:
         raise UserError(
-            f"The evaluator {key} works on text, but data.strategy={trainer.spec.data.strategy} has no "
+            f"The evaluator {key} works on text, but data.strategy={ctx.spec.data.strategy} has no "
             "tokenizer (its tokens are not text). Fix: train on text data (a token store, or `default`), "
             "or remove that evaluator from eval.evaluators."
         )
     return TOKENIZERS.get(name)()
 
 
-def batch_ways(trainer: Any) -> int:
+def batch_ways(ctx: Any) -> int:
     """How many ways the mesh splits a batch (data x fsdp)."""
-    shape = trainer.mesh.shape
+    shape = ctx.mesh.shape
     return int(shape.get("data", 1) * shape.get("fsdp", 1))
 
 
-def global_batch(count: int, trainer: Any, batch_size: int | None = None) -> int:
+def global_batch(count: int, ctx: Any, batch_size: int | None = None) -> int:
     """Rows per evaluation batch: `batch_size` (eval.batch_size), or for a small job the fewest
     rows that hold `count` and split evenly over the mesh and the processes."""
     if batch_size is not None:
         return batch_size
-    unit = math.lcm(batch_ways(trainer), jax.process_count())
+    unit = math.lcm(batch_ways(ctx), jax.process_count())
     return max(unit, -(-count // unit) * unit)
 
 
@@ -158,14 +197,24 @@ def process_batches(rows: Sequence[Mapping[str, np.ndarray]], batch: int) -> lis
     return out
 
 
-def to_global(trainer: Any, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+def to_global(ctx: Any, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows -> global arrays with the batch (leading) axis split over the mesh."""
     from runner.mesh import batch_sharding
 
-    sharding = batch_sharding(trainer.mesh)
+    sharding = batch_sharding(ctx.mesh)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
 
 
-def replicated(trainer: Any) -> jax.sharding.NamedSharding:
+def replicated(ctx: Any) -> jax.sharding.NamedSharding:
     """Outputs every process can read whole."""
-    return jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.NamedSharding(ctx.mesh, jax.sharding.PartitionSpec())
+
+
+def check_spec(spec: "ExecutionSpec") -> None:
+    """The eval section: every evaluator exists, and passes its own `check` of its settings."""
+    for i, ev in enumerate(spec.eval.evaluators):
+        key = f"eval.evaluators[{i}]"
+        cls = evaluator_class(ev.name, f"{key}.name")
+        check = getattr(cls, "check", None)
+        if callable(check):  # an evaluator's own checks of its settings (files, prompts, ...)
+            check(spec, ev, key)

@@ -89,13 +89,13 @@ class Generate(EvaluatorBase):
             raise ConfigError(f"{key}.prompts", [], "generate needs at least one prompt.",
                               "set it, e.g. eval.evaluators=[heldout,{name:generate,prompts:['def main(']}].")
 
-    def prepare(self, trainer: Any) -> None:
+    def prepare(self, ctx: Any) -> None:
         if self._prompts is not None:
             return
         key = self.config_key
         self.check(self.spec, self.settings, key)
-        self._tokenizer = text_tokenizer(trainer, key)
-        context = _context_length(trainer)
+        self._tokenizer = text_tokenizer(ctx, key)
+        context = _context_length(ctx)
         new = self.settings.max_new_tokens
         prompts = []
         for j, text in enumerate(self.settings.prompts):
@@ -115,17 +115,17 @@ class Generate(EvaluatorBase):
             padded[: len(ids)] = ids
             rows.append({"prompt": padded, "length": np.int32(len(ids)), "id": np.int32(i)})
         self._prompts = prompts
-        self._batches = process_batches(rows, global_batch(len(rows), trainer))
+        self._batches = process_batches(rows, global_batch(len(rows), ctx))
         for b in self._batches:  # blank padding rows: a one-token prompt, so indexing stays in range
             b["length"] = np.maximum(b["length"], 1)
 
-    def evaluate(self, trainer: Any, state: Any) -> Mapping[str, float]:
-        self.prepare(trainer)
+    def evaluate(self, ctx: Any, state: Any) -> Mapping[str, float]:
+        self.prepare(ctx)
         assert self._prompts is not None
         if self._fn is None:
-            model = getattr(trainer, "model", None)
+            model = getattr(ctx, "model", None)
             init_cache = getattr(model, "init_cache", None)
-            settings, vocab = self.settings, int(trainer.strategy.vocab_size)
+            settings, vocab = self.settings, int(ctx.strategy.vocab_size)
 
             def run(state: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
                 tokens = generate_tokens(state.apply_fn, state.params, batch["prompt"], batch["length"], batch["id"],
@@ -133,10 +133,10 @@ class Generate(EvaluatorBase):
                                          seed=settings.seed, vocab=vocab, init_cache=init_cache)
                 return tokens, batch["id"]
 
-            self._fn = jax.jit(run, out_shardings=replicated(trainer))
+            self._fn = jax.jit(run, out_shardings=replicated(ctx))
         continuations: dict[int, np.ndarray] = {}
         for local in self._batches:
-            tokens, ids = jax.device_get(self._fn(state, to_global(trainer, local)))
+            tokens, ids = jax.device_get(self._fn(state, to_global(ctx, local)))
             continuations.update({int(i): t for i, t in zip(ids, tokens) if i >= 0})
         eod = self._tokenizer.eod_id
         lengths, texts = [], {}
@@ -150,7 +150,7 @@ class Generate(EvaluatorBase):
         return {self.key("new_tokens"): float(np.mean(lengths))}
 
 
-def _context_length(trainer: Any) -> int:
+def _context_length(ctx: Any) -> int:
     """The model's longest sequence: its config's context_length, else train.seq_len."""
-    config = getattr(trainer, "model_config", None)
-    return int(getattr(config, "context_length", 0) or trainer.spec.train.seq_len)
+    config = getattr(ctx, "model_config", None)
+    return int(getattr(config, "context_length", 0) or ctx.spec.train.seq_len)

@@ -31,12 +31,12 @@ class HeldOutLoss(EvaluatorBase):
         super().__init__(spec, settings)
         self._batches: dict[str, list[dict[str, np.ndarray]]] | None = None
 
-    def prepare(self, trainer: Any) -> None:
+    def prepare(self, context: Any) -> None:
         """Validation rows per source, padded (mask 0) to whole eval batches; this process's rows."""
         if self._batches is not None:
             return
         out: dict[str, list[dict[str, np.ndarray]]] = {}
-        for source, dataset in trainer.strategy.validation(self.spec.train.seq_len, self.rows).items():
+        for source, dataset in context.strategy.validation(self.spec.train.seq_len, self.rows).items():
             examples = [dataset[i] for i in range(min(self.rows, len(dataset)))]
             if examples:
                 out[source] = [{k: v[None] for k, v in b.items()}  # one micro-batch: (1, B, T)
@@ -44,17 +44,16 @@ class HeldOutLoss(EvaluatorBase):
                                                         self.spec.eval.batch_size)]
         self._batches = out
 
-    def evaluate(self, trainer: Any, state: Any) -> Mapping[str, float]:
-        self.prepare(trainer)
+    def evaluate(self, context: Any, state: Any) -> Mapping[str, float]:
+        self.prepare(context)
         assert self._batches is not None
-        val_step = trainer.compiled_val_step()
-        bytes_per_token = _bytes_per_token(trainer.strategy)
+        bytes_per_token = _bytes_per_token(context.strategy)
         results: dict[str, float] = {}
         totals = np.zeros(4)  # nats, tokens, correct, bytes
         for source, batches in self._batches.items():
             loss_sum, count, correct = 0.0, 0.0, 0.0
             for local in batches:
-                s, c, meta = jax.device_get(val_step(state, trainer.to_device(local)))
+                s, c, meta = jax.device_get(context.val_step(state, context.to_device(local)))
                 loss_sum, count, correct = loss_sum + float(s), count + float(c), correct + float(meta["correct"])
             ratio = bytes_per_token(source)
             nbytes = float("nan") if ratio is None else count * ratio

@@ -125,12 +125,12 @@ class MultipleChoice(EvaluatorBase):
     def check(cls, spec: ExecutionSpec, settings: EvaluatorSpec, key: str) -> None:
         read_questions(settings.path, f"{key}.path")
 
-    def prepare(self, trainer: Any) -> None:
+    def prepare(self, ctx: Any) -> None:
         if self._questions is not None:
             return
         key = self.config_key
         questions = read_questions(self.settings.path, f"{key}.path")[: self.rows]
-        tokenizer = text_tokenizer(trainer, key)
+        tokenizer = text_tokenizer(ctx, key)
         seq_len = self.spec.train.seq_len
         rows = []
         for n, q in enumerate(questions):
@@ -145,16 +145,16 @@ class MultipleChoice(EvaluatorBase):
                     )
                 rows.append({**choice_rows(context, ids, seq_len, tokenizer.eod_id), "id": np.int32(len(rows))})
         self._questions = questions
-        self._batches = process_batches(rows, global_batch(len(rows), trainer, self.spec.eval.batch_size))
+        self._batches = process_batches(rows, global_batch(len(rows), ctx, self.spec.eval.batch_size))
 
-    def evaluate(self, trainer: Any, state: Any) -> Mapping[str, float]:
-        self.prepare(trainer)
+    def evaluate(self, ctx: Any, state: Any) -> Mapping[str, float]:
+        self.prepare(ctx)
         assert self._questions is not None
         if self._fn is None:
-            self._fn = jax.jit(choice_scores, out_shardings=replicated(trainer))
+            self._fn = jax.jit(choice_scores, out_shardings=replicated(ctx))
         scores = np.zeros(sum(len(q["choices"]) for q in self._questions), np.float64)
         for local in self._batches:
-            sums, ids = jax.device_get(self._fn(state, to_global(trainer, local)))
+            sums, ids = jax.device_get(self._fn(state, to_global(ctx, local)))
             keep = ids >= 0
             scores[ids[keep]] = sums[keep]
         lls, start = [], 0

@@ -4,7 +4,8 @@
 checkpoints/ directory, or one checkpoints/<step> directory) evaluates the newest complete
 checkpoint there. The model, data, seed and train.seq_len come from the checkpoint's own saved
 spec, so its parameters fit whatever the command line says about them; eval.*, topology, mesh
-and logging come from the command line. BaseTrainer.run_eval does the rest and writes
+and logging come from the command line. `evaluate_checkpoint` restores only the parameters
+(no optimizer state is read or built), runs every configured evaluator once, and writes
 `eval_results.json` into the checkpoint's step directory.
 """
 
@@ -12,12 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint import META, find_state_dir
-from runner.errors import UserError
+import jax
+
+from runner.checkpoint import META, STATE, find_state_dir, restore_tree
+from runner.errors import UserError, first_line
+from runner.evaluation.base import prepare_all, run_all
+from runner.files import atomic_write_json
+from runner.job import JOBS
 from runner.spec import ExecutionSpec, spec_from_dict
+from runner.state import TrainState
 
 RESULTS_FILE = "eval_results.json"
 
@@ -58,3 +66,52 @@ def spec_for_checkpoint(spec: ExecutionSpec) -> ExecutionSpec:
         spec = dataclasses.replace(spec, job=own.job, data=own.data, seed=own.seed,
                                    train=dataclasses.replace(spec.train, seq_len=own.train.seq_len))
     return dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, checkpoint=str(step_dir.absolute())))
+
+
+def evaluate_checkpoint(spec: ExecutionSpec) -> dict[str, Any]:
+    """mode=eval: restore the parameters (and step) of the checkpoint eval.checkpoint names (else
+    the newest under run.dir) into the job's model, run every configured evaluator once, and write
+    eval_results.json into that step directory. Nothing is reused: a rerun recomputes and replaces
+    the file."""
+    spec = spec_for_checkpoint(spec)
+    step_dir = checkpoint_step_dir(spec)
+    job = JOBS.get(spec.job.trainer)(spec)
+    abstract, sharding = job.abstract_state()
+    wanted = {"step": abstract.step, "params": abstract.params, "rng": abstract.rng, "guard": abstract.guard}
+    try:
+        tree = restore_tree(step_dir / STATE, wanted, partial=True)
+    except (ValueError, KeyError) as err:
+        raise UserError(
+            f"Cannot evaluate {step_dir}: its parameters do not fit this model ({first_line(err, 300)}). Fix: "
+            "evaluate it with the model settings it was trained with (its checkpoints/<step>/meta holds them), "
+            "or point eval.checkpoint elsewhere."
+        ) from None
+    job.state_sharding = sharding.replace(opt_state=())
+    state = TrainState(step=tree["step"], apply_fn=job.model.apply, params=tree["params"], tx=job.tx,
+                       opt_state=(), rng=tree["rng"], guard=tree["guard"])
+    context = job.eval_context()
+    t0 = time.perf_counter()
+    with job._context():
+        prepare_all(job.evaluators, context)
+        metrics, texts = run_all(job.evaluators, context, state)
+    step = int(tree["step"])
+    record = {
+        "step": step,
+        "checkpoint": str(step_dir),
+        "metrics": metrics,
+        "texts": texts,
+        "evaluators": spec.to_dict()["eval"]["evaluators"],
+        "topology": spec.topology,
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "seconds": time.perf_counter() - t0,
+        "computed_unix": time.time(),
+    }
+    if jax.process_index() == 0:
+        out = atomic_write_json(step_dir / RESULTS_FILE, record, indent=2)
+        lines = [f"Evaluated {step_dir} (step {step}) in {record['seconds']:.1f}s:"]
+        lines += [f"  {k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items()]
+        lines += [f"  {k.removeprefix('eval/')}: {v!r}" for k, v in texts.items()]
+        lines.append(f"  results: {out}")
+        print("\n".join(lines), flush=True)
+    return record

@@ -1,0 +1,37 @@
+"""From a composed Hydra config to a checked ExecutionSpec, before any device work.
+
+The spec checks what its values alone decide (runner.spec.validate); each component then checks
+its own section, so the spec module knows no component. Every check raises a ConfigError: one
+paragraph naming the key, the value and the fix, exit code 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from runner import callbacks, distributed, job, mesh, optim, topology
+from runner import evaluation
+from runner.data import strategies
+from runner.spec import ExecutionSpec, resolve_spec
+
+SECTION_CHECKS: tuple[Callable[[ExecutionSpec], None], ...] = (
+    job.check_spec,  # job.trainer
+    topology.check_spec,  # topology
+    mesh.check_spec,  # mesh against topology and batch sizes
+    strategies.check_spec,  # data
+    optim.check_spec,  # optimizer, schedule
+    evaluation.check_spec,  # eval.evaluators
+    callbacks.check_spec,  # callbacks
+    distributed.check_spec,  # distributed
+)
+
+
+def check(spec: ExecutionSpec) -> ExecutionSpec:
+    for check_section in SECTION_CHECKS:
+        check_section(spec)
+    return spec
+
+
+def build_spec(cfg: Any, overrides: Sequence[str] = (), sweep_root: str | None = None) -> ExecutionSpec:
+    """Composed config -> validated, frozen ExecutionSpec (see runner.spec.resolve_spec)."""
+    return check(resolve_spec(cfg, list(overrides), sweep_root))

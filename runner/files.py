@@ -1,0 +1,42 @@
+"""Writing a file so that a reader (or a resumed run after a kill) sees the old version or the new
+one, never half of one: write beside it under a unique temporary name, then rename over it."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+
+def cache_root() -> Path:
+    """Where runner keeps what it can rebuild: ``$RUNNER_CACHE``, else ``$XDG_CACHE_HOME/runner``,
+    else ``~/.cache/runner``."""
+    if os.environ.get("RUNNER_CACHE"):
+        return Path(os.environ["RUNNER_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "runner"
+    return Path.home() / ".cache" / "runner"
+
+
+def atomic_write(path: str | Path, data: str | bytes, durable: bool = False) -> Path:
+    """Replace `path` with `data` in one rename. `durable` also fsyncs the data first (for files
+    that are the only record of finished work, not for ones rewritten every launch)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as out:
+            out.write(data)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_json(path: str | Path, data: Any, durable: bool = False, **dumps: Any) -> Path:
+    return atomic_write(path, json.dumps(data, **dumps) + "\n", durable=durable)

@@ -1,0 +1,76 @@
+"""The train state: what it holds, its shapes and shardings computed without a device, and the one
+path that creates it directly on its devices.
+
+Parameters are sharded by their logical axis names; the optimizer state by what each of its
+leaves is (runner.optim.sharding); the step, the PRNG key and the guard's statistics are
+replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import optax
+from flax.training import train_state
+
+from runner.guards import initial_guard_state
+from runner.optim.sharding import opt_state_sharding
+
+
+class TrainState(train_state.TrainState):
+    """Flax's TrainState plus the base PRNG key (the key for step s is fold_in(rng, s)) and the
+    numerical guard's rolling statistics, so both are checkpointed and resume exactly."""
+
+    rng: jax.Array
+    guard: Any = None
+
+
+def create_state(model: Any, tx: optax.GradientTransformation, key: jax.Array, init_args: Sequence[Any]) -> TrainState:
+    """A fresh state. The parameters are unboxed before the optimizer sees them, so its state
+    carries no stale partition metadata (`abstract_state` derives its shardings)."""
+    init_key, rng = jax.random.split(key)
+    variables = model.init(init_key, *init_args)
+    return TrainState.create(apply_fn=model.apply, params=nn.meta.unbox(variables["params"]), tx=tx, rng=rng,
+                             guard=initial_guard_state())
+
+
+def abstract_variables(model: Any, key: jax.Array, init_args: Sequence[Any]) -> Any:
+    """The model's variables as shapes, still boxed with their logical axis names."""
+    return jax.eval_shape(model.init, jax.random.split(key)[0], *init_args)
+
+
+def abstract_state(create: Callable[[jax.Array], TrainState], key: jax.Array, param_specs: Any,
+                   mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]]) -> tuple[TrainState, Any]:
+    """(abstract state, its shardings), computed without touching a device. `create(key)` makes
+    the state; `param_specs` are the parameters' logical partition specs."""
+    abstract = jax.eval_shape(create, key)
+    params = nn.logical_to_mesh_sharding(param_specs, mesh, rules)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sharding = jax.tree.map(lambda _: replicated, abstract).replace(
+        params=params, opt_state=opt_state_sharding(abstract.opt_state, abstract.params, params, mesh))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding)
+    return abstract, sharding
+
+
+def init_sharded(create: Callable[..., Any], sharding: Any, *args: Any) -> Any:
+    """`create(*args)` jitted with `sharding` as its output shardings: every array is born on its
+    devices, none is ever whole on one. The one path both the train state and `sharded_init` use."""
+    return jax.jit(create, out_shardings=sharding)(*args)
+
+
+def state_tree(state: TrainState) -> dict[str, Any]:
+    """What a checkpoint holds of a state (the functions and the optimizer are rebuilt)."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
+            "guard": state.guard}
+
+
+def model_shapes(params: Any) -> dict[str, list[int]]:
+    """Parameter path -> shape, saved with every checkpoint to refuse resuming another model."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat}
+
+
+def param_count(params: Any) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

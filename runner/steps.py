@@ -1,0 +1,112 @@
+"""The pure step functions, and the one place they are compiled with shardings.
+
+`train_step` and `val_step` take a (S, B, T) batch of S micro-batches. Training and mode=compile
+both compile `make_train_step`'s function, so what mode=compile measures is what trains.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from runner import debug
+from runner.guards import guard_update
+from runner.mesh import microbatch_sharding
+from runner.spec import ExecutionSpec
+
+Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"}, each (S, B, T)
+# (state, params, micro-batch, key) -> (summed loss over real targets, number of real targets)
+LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array], key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of per-token cross-entropy over real targets, number of real targets)."""
+    logits = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key})
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
+    mask = micro["mask"].astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def train_step(state: Any, batch: Batch, key: jax.Array, accumulate_steps: int, layer_norms: bool = False,
+               loss_fn: LossFn = token_loss) -> tuple[Any, jax.Array, Any]:
+    """Gradients over S micro-batches, weighted by target-token count (a padded token counts for
+    nothing), then one optimizer step. Returns (state, loss, meta); with `layer_norms`, meta also
+    holds per-layer gradient norms."""
+    grad_fn = jax.value_and_grad(lambda p, micro, k: loss_fn(state, p, micro, k), has_aux=True)
+
+    def accumulate(carry, inputs):
+        grads, loss_sum, count = carry
+        micro, k = inputs
+        (micro_loss, micro_count), micro_grads = grad_fn(state.params, micro, k)
+        grads = jax.tree.map(jnp.add, grads, micro_grads)
+        return (grads, loss_sum + micro_loss, count + micro_count), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    keys = jax.random.split(key, accumulate_steps)
+    zero = jnp.zeros((), jnp.float32)
+    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, zero, zero), (batch, keys))
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    new_state = state.apply_gradients(grads=grads)
+    meta = {"grad_norm": optax.tree.norm(grads), "tokens": count}
+    if layer_norms:
+        meta.update(debug.layer_norms(grads, "grad_norm"))
+    return new_state, loss_sum / denom, meta
+
+
+def val_step(state: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
+    """Summed validation loss over S micro-batches: (loss_sum, token_count, {"correct": the number
+    of real targets that are the argmax prediction})."""
+
+    def one(carry, micro):
+        logits = state.apply_fn({"params": state.params}, micro["x"], deterministic=True)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
+        mask = micro["mask"].astype(jnp.float32)
+        correct = (jnp.argmax(logits, -1) == micro["y"]).astype(jnp.float32) * mask
+        loss_sum, count, right = carry
+        return (loss_sum + jnp.sum(losses * mask), count + jnp.sum(mask), right + jnp.sum(correct)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, count, correct), _ = jax.lax.scan(one, (zero, zero, zero), batch)
+    return loss_sum, count, {"correct": correct}
+
+
+def abstract_batch(spec: ExecutionSpec, mesh: jax.sharding.Mesh,
+                   example: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global (S, B/S, ...) batch the train step takes, as shapes with shardings; the per-row
+    shapes and dtypes come from one `example` row of the job's own data pipeline."""
+    t = spec.train
+    rows = t.batch_size // t.accumulate_steps
+    sharding = microbatch_sharding(mesh)
+    return {k: jax.ShapeDtypeStruct((t.accumulate_steps, rows, *v.shape), v.dtype, sharding=sharding)
+            for k, v in example.items()}
+
+
+def make_train_step(step_fn: Callable[..., tuple[Any, jax.Array, Any]], spec: ExecutionSpec,
+                    schedule: optax.Schedule, state_sharding: Any, mesh: jax.sharding.Mesh) -> Any:
+    """The jitted step the loop runs, (state, batch) -> (state, metrics): the step's key is
+    fold_in(rng, step), the guard keeps or drops the update, and the metrics stay on the device
+    (the loop reads them one step late). The state is donated."""
+    accumulate, guard, norms = spec.train.accumulate_steps, spec.guard, spec.debug.norms_every > 0
+
+    def step(state: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
+        key = jax.random.fold_in(state.rng, state.step)
+        new_state, loss, meta = step_fn(state, batch, key, accumulate, layer_norms=norms)
+        new_state, flags = guard_update(guard, state, new_state, loss, meta["grad_norm"])
+        if norms:
+            meta.update(debug.param_and_update_norms(state.params, new_state.params))
+        lr = jnp.asarray(schedule(state.step), jnp.float32)
+        return new_state, {"loss": loss, "lr": lr, **meta, **flags}
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, microbatch_sharding(mesh)),
+                   out_shardings=(state_sharding, replicated))
+
+
+def make_val_step(step_fn: Callable[..., Any], state_sharding: Any, mesh: jax.sharding.Mesh) -> Any:
+    """The jitted validation step, (state, batch) -> replicated sums."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step_fn, in_shardings=(state_sharding, microbatch_sharding(mesh)), out_shardings=replicated)
