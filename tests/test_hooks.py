@@ -131,16 +131,16 @@ def test_step_limit_for_this_launch_then_resume(tmp_path, reference) -> None:
         np.testing.assert_array_equal(a, b)
 
 
-def test_stop_file_and_time_limit_stop_cleanly_and_resume(tmp_path, reference) -> None:
+def test_stop_file_stops_cleanly_and_resumes(tmp_path, reference) -> None:
     args = [*RESUMABLE, "run.dir=run", "train.steps=100000"]
     proc = start_runner_until(args, tmp_path, tmp_path / "run", 4)
     (tmp_path / "run" / "STOP").touch()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]
     assert "stopped by the stop file" in out and not (tmp_path / "run" / "STOP").exists()
-    timed = run_runner([*args, "train.time_limit_minutes=0.25", "train.time_limit_margin_s=0"], tmp_path)
-    assert timed.returncode == 75, timed.stderr[-2000:]
-    assert "resumed from step" in timed.stdout and "stopped by the time limit" in timed.stdout
+    # (the time limit is tested by an injected clock in tests/test_loop.py, not by waiting for it)
+    again = run_runner([*args, "train.max_steps_this_launch=2"], tmp_path)
+    assert again.returncode == 75 and "resumed from step" in again.stdout, again.stderr[-2000:]
 
 
 def test_overfit_one_batch_profiler_norms_and_run_card(tmp_path) -> None:
