@@ -1,24 +1,52 @@
-"""The GPT pretraining job: GPT-2 style decoder trained by the generic BaseTrainer."""
+"""The language-model job: any registered model family (`job.model.family`: gpt, llama, or your
+own by import path), trained by the generic BaseTrainer. Registered as `lm`, and as `gpt`, the
+name the GPT jobs have always used."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+from typing import Any, Sequence
 
+import jax
+
+from runner import hf
 from runner.job import JOBS
-from runner.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig
+from runner.models import family_for
 from runner.spec import ExecutionSpec
 from runner.trainer import BaseTrainer
 
 
+@JOBS.register("lm")
 @JOBS.register("gpt")
-class GPTTrainer(BaseTrainer[GPTConfig, GPT]):
-    logical_axis_rules = LOGICAL_AXIS_RULES
-
+class LMTrainer(BaseTrainer[Any, Any]):
     @classmethod
-    def config_from_spec(cls, spec: ExecutionSpec) -> GPTConfig:
-        known = {f.name for f in dataclasses.fields(GPTConfig)}
-        return GPTConfig(**{k: v for k, v in dataclasses.asdict(spec.job.model).items() if k in known})
+    def config_from_spec(cls, spec: ExecutionSpec) -> Any:
+        return family_for(spec).config(spec.job.model)
 
-    @classmethod
-    def build_model(cls, config: GPTConfig) -> GPT:
-        return GPT(config)
+    def build_model(self, config: Any) -> Any:  # type: ignore[override]
+        return self._family.module(config)
+
+    def __init__(self, spec: ExecutionSpec, devices: Sequence[Any] | None = None) -> None:
+        self._family = family_for(spec)
+        super().__init__(spec, devices)
+
+    @functools.cached_property
+    def logical_axis_rules(self) -> Sequence[tuple[str, Any]]:  # type: ignore[override]
+        return tuple(self._family.axis_rules(self.model_config, dict(self.mesh.shape)))
+
+    def flops_per_token(self) -> float:
+        return float(self._family.flops_per_token(self.model_config, self.spec.train.seq_len))
+
+    def param_count(self) -> int:
+        return int(self._family.param_count(self.model_config))
+
+    def import_hf(self, abstract_params: Any) -> Any:
+        where = hf.hf_dir(self.spec.run.init_from)
+        hf.check_dims(self._family.hf_dims(hf.read_config(where)), self.model_config, where)
+        shapes = {tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+        return hf.import_params(self._family.hf_layout(self.model_config), hf.hf_tensor_reader(where), shapes,
+                                self.model_config.scan_layers, where)
+
+
+GPTTrainer = LMTrainer  # the name user code subclasses

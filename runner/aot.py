@@ -310,12 +310,11 @@ def _flops(compiled: Any) -> float | None:
 
 
 def _analytic_flops(job: Any) -> float | None:
-    from runner.models.gpt import GPTConfig, flops_per_token
-
-    if not isinstance(job.model_config, GPTConfig):
+    fpt = job.flops_per_token()
+    if not fpt:
         return None
     t = job.spec.train
-    return flops_per_token(job.model_config, t.seq_len) * t.batch_size * t.seq_len
+    return fpt * t.batch_size * t.seq_len
 
 
 def compile_report(spec: ExecutionSpec) -> CompileReport:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from runner import callbacks, distributed, job, mesh, optim, topology
+from runner import callbacks, distributed, job, mesh, models, optim, topology
 from runner import evaluation
 from runner.data import strategies
 from runner.spec import ExecutionSpec, resolve_spec
 
 SECTION_CHECKS: tuple[Callable[[ExecutionSpec], None], ...] = (
     job.check_spec,  # job.trainer
+    models.check_spec,  # job.model
     topology.check_spec,  # topology
     mesh.check_spec,  # mesh against topology and batch sizes
     strategies.check_spec,  # data

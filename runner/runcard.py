@@ -27,7 +27,8 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     mem = facts.get("memory_per_device_bytes")
     return [
         f"parameters: {facts['parameters']:,} ({_human(facts['parameters'])})",
-        f"training FLOPs per token: {_human(facts['flops_per_token'], 'FLOP')}",
+        "training FLOPs per token: " + (_human(facts["flops_per_token"], "FLOP") if facts.get("flops_per_token")
+                                         else "unknown"),
         f"mesh: {facts['mesh']} over {facts['devices']} devices, {facts['processes']} process(es)",
         "memory per device (estimate): " + (f"{mem / 2**20:,.1f} MiB ({facts['memory_source']})" if mem else "unknown"),
     ]
@@ -45,7 +46,7 @@ def write(run_dir: Path, spec: Any, facts: Mapping[str, Any], final: Mapping[str
     return atomic_write(path, "\n".join(lines))
 
 
-def run_facts(params: Any, flops_per_token: float, mesh: Any, executable: Any, state: Any) -> dict[str, Any]:
+def run_facts(params: Any, flops_per_token: Optional[float], mesh: Any, executable: Any, state: Any) -> dict[str, Any]:
     """Parameter count, FLOPs per token, mesh and per-device memory: from the compiled step's
     memory analysis (arguments, outputs, temporaries), else from the state's shards."""
     import jax

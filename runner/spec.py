@@ -49,7 +49,20 @@ class _Frozen:
 
 
 @dataclass(frozen=True)
+class RopeSpec(_Frozen):
+    """Rotary embeddings (llama family)."""
+
+    theta: float = 10000.0
+    scaling: str = "none"  # none | llama3 (Llama 3.1+'s frequency scaling, with the four below)
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
+@dataclass(frozen=True)
 class ModelSpec(_Frozen):
+    family: str = "gpt"  # gpt | llama | import path of your own family (runner.models)
     vocab_size: int = 320
     context_length: int = 128
     d_model: int = 128
@@ -66,7 +79,13 @@ class ModelSpec(_Frozen):
     # d_ff = 4 * d_model (width, MLP width and head count together), so a model-size sweep is
     # one multirun line: `-m job.model.scale=2,4,8`.
     scale: int = 0
-    head_dim: int = 64
+    head_dim: int = 64  # with scale (gpt); the llama family's per-head width, independent of d_model
+    # llama family
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: n_heads
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
+    qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
+    norm_eps: float = 1e-5
+    rope: RopeSpec = field(default_factory=RopeSpec)
 
 
 @dataclass(frozen=True)
@@ -365,9 +384,6 @@ def validate(spec: ExecutionSpec) -> None:
     for key in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
         _positive(f"job.model.{key}", getattr(m, key))
     _positive("job.model.d_ff", m.d_ff, allow_zero=True)
-    if m.d_model % m.n_heads:
-        raise ConfigError("job.model.n_heads", m.n_heads, f"it does not divide d_model={m.d_model}.",
-                          "choose n_heads so that d_model / n_heads is a whole number.")
     _one_of("job.model.compute_dtype", m.compute_dtype, ("float32", "bfloat16"))
     _one_of("job.model.remat", m.remat, ("none", "full", "dots"))
     if not 0.0 <= m.dropout < 1.0:

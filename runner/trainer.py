@@ -42,6 +42,7 @@ from runner.evaluation.base import EvalContext, Evaluator, build_evaluators, pre
 from runner.exits import HookError, Preempted, TrainingHalted
 from runner.guards import GuardMonitor
 from runner.heap import frozen_heap
+from runner.hf import HF_PREFIX
 from runner.hooks import Checkpoints, Evaluation, GuardStop, MetricsReport, ProfilerWindow, StepHooks, StopRequests
 from runner.job import C, RestoreableJob
 from runner.loop import Ending, Loop
@@ -111,6 +112,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     def model_vocab_size(self) -> int:
         return self.spec.job.model.vocab_size
+
+    def flops_per_token(self) -> Optional[float]:
+        """Training FLOPs per token (forward and backward), if the job knows them (the run card,
+        mode=compile and the benchmark report it)."""
+        return None
 
     def check_vocab(self) -> None:
         if self.strategy.vocab_size > self.model_vocab_size():
@@ -356,10 +362,24 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return restored
 
     def warm_start(self, abstract: TrainState) -> None:
-        """run.init_from: another run's parameters (fresh optimizer, step 0), or its whole state."""
+        """run.init_from: another run's parameters (fresh optimizer, step 0), or its whole state;
+        or with `hf:DIR`, a Hugging Face model's parameters (see `import_hf`)."""
+        if self.spec.run.init_from.startswith(HF_PREFIX):
+            params = self.import_hf(abstract.params)
+            self.state = self.state.replace(params=jax.tree.map(
+                lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), params, abstract.params))
+            if jax.process_index() == 0:
+                print(f"warm start: parameters from the Hugging Face model {self.spec.run.init_from[3:]}", flush=True)
+            return
         tree = ckpt.warm_start(self.spec.run.init_from, self.spec.run.init_mode, st.state_tree(abstract))
         self.state = abstract.replace(**tree) if self.spec.run.init_mode == "full" else \
             self.state.replace(params=tree["params"])
+
+    def import_hf(self, abstract_params: Any) -> Any:
+        """The parameters of the Hugging Face model `run.init_from=hf:DIR` names, as numpy arrays in
+        this model's layout. Jobs whose model family has a Hugging Face layout implement it."""
+        raise UserError(f"run.init_from={self.spec.run.init_from!r}: the job {type(self).__name__} cannot read "
+                        "Hugging Face models. Fix: use job.trainer=lm with a family that has a Hugging Face layout.")
 
     def check_compatible(self, saved: Mapping[str, Any]) -> None:
         """Refuse to resume a checkpoint of another model, or of other data unless allowed."""
@@ -522,10 +542,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def write_run_card(self, final: bool = False) -> None:
         assert self.logger is not None
         if not final:
-            from runner.models.gpt import flops_per_token
-
-            self._facts = runcard.run_facts(self.state.params, flops_per_token(self.model_config, self.spec.train.seq_len),
-                                            self.mesh, self.train_executable(), self.state)
+            self._facts = runcard.run_facts(self.state.params, self.flops_per_token(), self.mesh,
+                                            self.train_executable(), self.state)
             for line in runcard.summary_lines(self._facts):
                 self.logger.progress.message(line)
         if jax.process_index() == 0:

@@ -22,6 +22,7 @@ import yaml
 
 from runner.data.strategies import DATASET_STRATEGIES
 from runner.evaluation.base import EVALUATORS
+from runner.models import MODEL_FAMILIES
 from runner.optim import OPTIMIZERS, SCHEDULES
 from tests.conftest import ROOT, read_metrics, run_runner
 from tests.test_restore import params_of
@@ -37,12 +38,14 @@ MESHES = {1: [], 4: ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]}
 
 # The registries, by the key that selects from them.
 REGISTRIES = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "data.strategy": DATASET_STRATEGIES,
-              "eval.evaluators": EVALUATORS}
+              "eval.evaluators": EVALUATORS, "job.model.family": MODEL_FAMILIES}
 
 # The meshes each registry trains on: an optimizer's state and an evaluator's batches are sharded,
-# so they run on one device and on the (1, 2, 2) mesh; a schedule is a function of the step and a
-# dataset strategy of (seed, strategy, step), which no mesh changes, so one device proves them.
-DEVICES = {"optimizer": (1, 4), "eval.evaluators": (1, 4), "schedule": (1,), "data.strategy": (1,)}
+# so they run on one device and on the (1, 2, 2) mesh; a model family's parameters are sharded too,
+# and the mesh is its harder case; a schedule is a function of the step and a dataset strategy of
+# (seed, strategy, step), which no mesh changes, so one device proves them.
+DEVICES = {"optimizer": (1, 4), "eval.evaluators": (1, 4), "job.model.family": (4,), "schedule": (1,),
+           "data.strategy": (1,)}
 
 # What an entry needs beyond its name: extra overrides, or (evaluators) its own settings.
 MC_QUESTIONS = [{"context": "def main(", "choices": [")", "zzz"], "gold": 0},

@@ -275,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from runner.job import JOBS
-    from runner.models.gpt import flops_per_token, param_count
     from runner.topology import parse_topology
 
     runner_rates: list[float] = []
@@ -321,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         dev_mem, dev_mem_source = device_memory(job)
 
     topo = parse_topology(spec.topology)
-    fpt = flops_per_token(job.model_config, spec.train.seq_len)
+    fpt = job.flops_per_token()
     chip_peak = topo.peak_bf16_flops
     if chip_peak:
         peak, peak_source = float(chip_peak), f"{topo.chip.name if topo.chip else topo.name} bf16 peak x {topo.num_chips}"
@@ -341,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
         "cpus": os.cpu_count(),
-        "parameters": int(param_count(job.model_config)),
+        "parameters": int(job.param_count()),
         "batch_size": spec.train.batch_size,
         "seq_len": spec.train.seq_len,
         "steps_per_round": args.steps,

@@ -12,13 +12,18 @@ deprecated ``with mesh:`` does not set).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
+
+from runner.errors import ConfigError, UserError
+from runner.hf import HFTensor, one, same
+from runner.models.family import MODEL_FAMILIES, fields_of
 
 # Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
 # matters: flax assigns rules first-come and never reuses a mesh axis within one
@@ -90,6 +95,64 @@ def _init(std: float, names: tuple[str | None, ...]) -> Callable[..., Any]:
 
 def _zeros(names: tuple[str | None, ...]) -> Callable[..., Any]:
     return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+# ----------------------------------------------------------------------------- decoder plumbing
+# (shared with the llama family: the layer stack, the cache and the output head)
+
+
+def empty_cache(cfg: Any, kv_heads: int, batch: int, length: int) -> dict[str, jax.Array]:
+    """An empty cache for ``batch`` rows of up to ``length`` positions: keys and values stacked
+    over layers, (n_layers, batch, length, kv_heads, head_dim) each."""
+    if length > cfg.context_length:
+        raise ValueError(f"cache length {length} exceeds context_length {cfg.context_length}")
+    shape = (cfg.n_layers, batch, length, kv_heads, cfg.head_dim)
+    return {"key": jnp.zeros(shape, cfg.dtype), "value": jnp.zeros(shape, cfg.dtype)}
+
+
+def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array, shared: tuple[Any, ...],
+                 caches: KVCache | None, index: jax.Array | None,
+                 rngs: tuple[str, ...] = ("params",)) -> tuple[jax.Array, KVCache | None]:
+    """n_layers blocks, ``block(*block_args)(x, *shared, cache, index) -> (x, cache)``: scanned (one
+    compiled block, parameters and cache stacked on a leading "layers" axis, as ``blocks``) or
+    unrolled (``block_i``), rematerialised as ``cfg.remat`` says. Call inside a compact method."""
+    if cfg.remat != "none":
+        # Under scan the loop boundary already stops XLA from CSE-ing the recomputation away, so
+        # prevent_cse would only cost performance.
+        block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICIES[cfg.remat])
+    if cfg.scan_layers:
+        return nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={r: True for r in rngs},
+            in_axes=(*[nn.broadcast] * len(shared), 0, nn.broadcast),
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(*block_args, name="blocks")(x, *shared, caches, index)
+    updated = []
+    for i in range(cfg.n_layers):
+        layer = None if caches is None else (caches[0][i], caches[1][i])
+        x, layer = block(*block_args, name=f"block_{i}")(x, *shared, layer, index)
+        updated.append(layer)
+    if caches is None:
+        return x, None
+    return x, (jnp.stack([u[0] for u in updated]), jnp.stack([u[1] for u in updated]))
+
+
+def output_logits(cfg: Any, x: jax.Array, embed: nn.Embed, new_cache: KVCache | None,
+                  decoding: bool) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+    """float32 logits from the final hidden states (the embedding transposed when tied, else an
+    ``lm_head``), with the updated cache when decoding. Call inside a compact method."""
+    if cfg.tie_embeddings:
+        logits = embed.attend(x)
+    else:
+        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                          kernel_init=_init(0.02, ("embed", "vocab")), name="lm_head")(x)
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+    if not decoding:
+        return logits
+    assert new_cache is not None
+    return logits, {"key": new_cache[0], "value": new_cache[1]}
 
 
 def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
@@ -223,13 +286,8 @@ class GPT(nn.Module):
     cfg: GPTConfig
 
     def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
-        """An empty cache for ``batch`` rows of up to ``length`` positions: keys and values
-        stacked over layers, (n_layers, batch, length, n_heads, head_dim) each."""
-        cfg = self.cfg
-        if length > cfg.context_length:
-            raise ValueError(f"cache length {length} exceeds context_length {cfg.context_length}")
-        shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.head_dim)
-        return {"key": jnp.zeros(shape, cfg.dtype), "value": jnp.zeros(shape, cfg.dtype)}
+        """An empty cache (see `empty_cache`)."""
+        return empty_cache(self.cfg, self.cfg.n_heads, batch, length)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
@@ -263,48 +321,12 @@ class GPT(nn.Module):
         x = nn.Dropout(cfg.dropout, deterministic=deterministic)(x)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
-        block: type[Block] = Block
-        if cfg.remat != "none":
-            # Under scan the loop boundary already stops XLA from CSE-ing the
-            # recomputation away, so prevent_cse would only cost performance.
-            block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICIES[cfg.remat])
-        new_cache = None
-        if cfg.scan_layers:
-            # One compiled block, parameters stacked on a leading "layers" axis (and so is the
-            # cache: each layer's slice is scanned in, the updated slices stacked back).
-            x, new_cache = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(0, nn.broadcast),
-                length=cfg.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, deterministic, name="blocks")(x, None if cache is None else layer_caches, index)
-        else:
-            updated = []
-            for i in range(cfg.n_layers):
-                layer = None if cache is None else (layer_caches[0][i], layer_caches[1][i])
-                x, layer = block(cfg, deterministic, name=f"block_{i}")(x, layer, index)
-                updated.append(layer)
-            if cache is not None:
-                new_cache = tuple(jnp.stack([u[j] for u in updated]) for j in range(2))
-
+        # One compiled block when scanned: each layer's slice of the cache is scanned in, the
+        # updated slices stacked back.
+        x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (), None if cache is None else layer_caches,
+                                    index, rngs=("params", "dropout"))
         x = _layer_norm(cfg, "ln_f")(x)
-        if cfg.tie_embeddings:
-            logits = wte.attend(x)
-        else:
-            logits = nn.Dense(
-                cfg.vocab_size,
-                use_bias=False,
-                dtype=cfg.dtype,
-                kernel_init=_init(0.02, ("embed", "vocab")),
-                name="lm_head",
-            )(x)
-        logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
-        if cache is None:
-            return logits
-        assert new_cache is not None
-        return logits, {"key": new_cache[0], "value": new_cache[1]}
+        return output_logits(cfg, x, wte, new_cache, decoding=cache is not None)
 
 
 def param_count(cfg: GPTConfig, include_embeddings: bool = True) -> int:
@@ -344,8 +366,93 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return float(6 * matmul_params + 12 * cfg.n_layers * d * seq_len)
 
 
+class GPTFamily:
+    """GPT-2: learned positions, LayerNorm, GELU MLP, multi-head attention."""
+
+    name = "gpt"
+
+    @staticmethod
+    def config(model: Any) -> GPTConfig:
+        if model.d_model % model.n_heads:
+            raise ConfigError("job.model.n_heads", model.n_heads, f"it does not divide d_model={model.d_model}.",
+                              "choose n_heads so that d_model / n_heads is a whole number.")
+        return fields_of(GPTConfig, model)
+
+    @staticmethod
+    def module(config: GPTConfig) -> GPT:
+        return GPT(config)
+
+    @staticmethod
+    def axis_rules(config: GPTConfig, mesh_shape: Any) -> tuple[tuple[str, Any], ...]:
+        return LOGICAL_AXIS_RULES
+
+    param_count = staticmethod(param_count)
+    flops_per_token = staticmethod(flops_per_token)
+
+    # ------------------------------------------------------------------ Hugging Face (GPT2LMHeadModel)
+
+    @staticmethod
+    def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+        if not cfg.use_bias:
+            raise UserError("transformers' GPT-2 always has biases, and this model was trained without them "
+                            "(job.model.use_bias=false). Fix: train with use_bias=true to export to Hugging Face.")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+                "n_positions": cfg.context_length, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
+                "n_head": cfg.n_heads, "n_inner": cfg.d_ff, "activation_function": "gelu_new",
+                "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True, "dtype": "float32"}
+
+    @staticmethod
+    def hf_dims(hf: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+        if hf.get("model_type") != "gpt2":
+            raise ConfigError("run.init_from", hf.get("model_type"), "the gpt family reads GPT-2 models "
+                              "(config.json model_type gpt2).", "import a GPT-2, or use job.model.family=llama.")
+        d = hf["n_embd"]
+        return {"vocab_size": ("vocab_size", hf["vocab_size"]), "context_length": ("n_positions", hf["n_positions"]),
+                "d_model": ("n_embd", d), "n_layers": ("n_layer", hf["n_layer"]), "n_heads": ("n_head", hf["n_head"]),
+                "d_ff": ("n_inner", hf.get("n_inner") or 4 * d),
+                "tie_embeddings": ("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True))),
+                "use_bias": ("model_type", True)}
+
+    @staticmethod
+    def hf_layout(cfg: GPTConfig) -> list[HFTensor]:
+        d = cfg.d_model
+
+        def split3(w: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+            return tuple(part.reshape(shape) for part in np.split(w, 3, axis=-1))
+
+        top = [HFTensor("transformer.wte.weight", ("wte/embedding",), None, same, one(same)),
+               HFTensor("transformer.wpe.weight", ("wpe/embedding",), None, same, one(same)),
+               HFTensor("transformer.ln_f.weight", ("ln_f/scale",), None, same, one(same)),
+               HFTensor("transformer.ln_f.bias", ("ln_f/bias",), None, same, one(same))]
+        if not cfg.tie_embeddings:
+            top.append(HFTensor("lm_head.weight", ("lm_head/kernel",), None, lambda w: w.T, one(lambda w: w.T)))
+        qkv = tuple(f"attn/{p}/kernel" for p in ("query", "key", "value"))
+        qkv_bias = tuple(f"attn/{p}/bias" for p in ("query", "key", "value"))
+        shape = (d, cfg.n_heads, cfg.head_dim)
+        templates: list[tuple[str, tuple[str, ...], Any, Any]] = [
+            ("ln_1.weight", ("ln_1/scale",), same, one(same)), ("ln_1.bias", ("ln_1/bias",), same, one(same)),
+            ("ln_2.weight", ("ln_2/scale",), same, one(same)), ("ln_2.bias", ("ln_2/bias",), same, one(same)),
+            ("attn.c_attn.weight", qkv, lambda *w: np.concatenate([x.reshape(d, d) for x in w], -1),
+             lambda w: split3(w, shape)),
+            ("attn.c_attn.bias", qkv_bias, lambda *b: np.concatenate([x.reshape(d) for x in b]),
+             lambda b: split3(b, shape[1:])),
+            ("attn.c_proj.weight", ("attn/out/kernel",), lambda w: w.reshape(d, d), one(lambda w: w.reshape(
+                cfg.n_heads, cfg.head_dim, d))),
+            ("attn.c_proj.bias", ("attn/out/bias",), same, one(same)),
+            ("mlp.c_fc.weight", ("mlp/fc/kernel",), same, one(same)), ("mlp.c_fc.bias", ("mlp/fc/bias",), same, one(same)),
+            ("mlp.c_proj.weight", ("mlp/proj/kernel",), same, one(same)),
+            ("mlp.c_proj.bias", ("mlp/proj/bias",), same, one(same)),
+        ]
+        return top + [HFTensor(f"transformer.h.{i}.{name}", sources, i, to_hf, from_hf)
+                      for name, sources, to_hf, from_hf in templates for i in range(cfg.n_layers)]
+
+
+MODEL_FAMILIES.register("gpt")(GPTFamily)
+
 __all__ = [
     "GPT",
+    "GPTFamily",
     "GPTConfig",
     "LOGICAL_AXIS_RULES",
     "flops_per_token",

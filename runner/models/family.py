@@ -1,0 +1,45 @@
+"""The model-family interface and its registry."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Protocol, Sequence
+
+from runner.errors import ConfigError
+from runner.registry import Registry
+from runner.spec import ModelSpec
+
+
+class ModelFamily(Protocol):
+    """What runner asks of a model family. Every method is a classmethod or staticmethod."""
+
+    name: str
+
+    def config(self, model: ModelSpec) -> Any:
+        """The family's model config from the spec's job.model section (checked: a bad value is a
+        ConfigError naming its key)."""
+
+    def module(self, config: Any) -> Any:
+        """The flax module: tokens (B, T) int32 -> logits (B, T, vocab) float32."""
+
+    def axis_rules(self, config: Any, mesh_shape: Mapping[str, int]) -> Sequence[tuple[str, Any]]:
+        """Logical axis name -> mesh axes for this config on a mesh of this shape."""
+
+    def param_count(self, config: Any) -> int:
+        """Exact parameter count, without building the model."""
+
+    def flops_per_token(self, config: Any, seq_len: int) -> float:
+        """Training FLOPs per token (forward and backward)."""
+
+
+MODEL_FAMILIES: Registry[Any] = Registry("model family", "job.model.family")
+
+
+def fields_of(config_type: type, model: ModelSpec, **values: Any) -> Any:
+    """`config_type` built from the job.model keys it shares with ModelSpec, plus `values`."""
+    known = {f.name for f in dataclasses.fields(config_type)}
+    shared = {k: v for k, v in dataclasses.asdict(model).items() if k in known}
+    try:
+        return config_type(**{**shared, **values})
+    except ValueError as err:
+        raise ConfigError("job.model", model.family, str(err) + ".", "fix the model settings it names.") from None
