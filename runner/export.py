@@ -43,8 +43,14 @@ def _tokenizer_files(spec: Any) -> tuple[dict[str, bytes], int | None]:
         tokenizer = text_tokenizer(type("Ctx", (), {"strategy": strategy, "spec": spec})(), "runner.export")
     except UserError:
         return {}, None
-    files = tokenizer.files() if getattr(strategy, "tokenizer", None) == "hf" and hasattr(tokenizer, "files") else {}
-    return dict(files), int(tokenizer.eod_id)
+    if getattr(strategy, "tokenizer", None) != "hf" or not hasattr(tokenizer, "files"):
+        return {}, int(tokenizer.eod_id)
+    files = dict(tokenizer.files())
+    special = getattr(tokenizer, "eod_token", None)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.job.model.context_length,
+              **({"eos_token": special, "bos_token": special} if special else {})}
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    return files, int(tokenizer.eod_id)
 
 
 def export(source: str | Path, out_dir: str | Path, max_shard_bytes: int = 2 * 2**30) -> dict[str, Any]:

@@ -181,3 +181,33 @@ def test_import_errors_are_user_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UserError):
         spec_for(*TINY, f"run.init_from=hf:{tmp_path}")
+
+
+def test_export_carries_a_hugging_face_tokenizer_and_reads_a_checkpoint_saved_on_a_mesh(tmp_path: Path) -> None:
+    """Data tokenized by a trained BPE (a Hugging Face tokenizer), a run on a (1, 2, 2) mesh of 4
+    devices; the export, on this one CPU device, loads in transformers with the same tokenizer."""
+    import sysconfig
+
+    from runner.data.prepare import main as prepare_main
+    from runner.data.store import TokenStore
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, source in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]):
+        (docs / f"{i:02d}.txt").write_text(source.read_text(encoding="utf-8", errors="replace")[:20000])
+    store = tmp_path / "store"
+    assert prepare_main([str(docs / "*.txt"), "-o", str(store), "--tokenizer", "train-bpe:400", "--val-fraction",
+                         "0.1", "--workers", "1", "--progress", "none"]) == 0
+    trained = run_runner([*TINY, "job=llama_tiny", "job.model.vocab_size=448", f"data.sources=[{{path:{store}}}]",
+                          "train.steps=2", "eval.every=0", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
+                          "run.dir=run"], tmp_path, devices=4)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    report = export(tmp_path / "run", tmp_path / "hf")
+    assert report["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def main(argv):\n    return sorted(argv)\n"
+    ours = TokenStore.open(store).load_tokenizer()
+    assert tokenizer.encode(text, add_special_tokens=False) == [int(t) for t in ours.encode(text)]
+    assert tokenizer.eos_token_id == ours.eod_id == model.config.eos_token_id
