@@ -34,6 +34,12 @@ register_schema()
 load_job_modules()
 TOL = 1e-4
 
+# What the llama-family variants share, as transformers config arguments (runner's: TINY plus
+# each variant's overrides)
+DECODER = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=32)
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+
 # runner settings (job.model.*) and the transformers config of the same model
 VARIANTS: dict[str, tuple[list[str], Any]] = {
     "gpt2": (["job.model.family=gpt", "job.model.tie_embeddings=false", "job.model.context_length=64"],
@@ -44,26 +50,21 @@ VARIANTS: dict[str, tuple[list[str], Any]] = {
          "job.model.d_ff=48", "job.model.tie_embeddings=false", "job.model.rope.theta=500000",
          "job.model.rope.scaling=llama3", "job.model.rope.original_context=16"],
         lambda: transformers.LlamaConfig(
-            vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=12, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            **DECODER, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5, tie_word_embeddings=False,
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "qwen3_mqa_qk_norm_tied": (
         ["job.model.family=llama", "job.model.n_heads=4", "job.model.n_kv_heads=1", "job.model.head_dim=16",
          "job.model.d_ff=48", "job.model.tie_embeddings=true", "job.model.qk_norm=true", "job.model.norm_eps=1e-6",
          "job.model.rope.theta=1000000"],
-        lambda: transformers.Qwen3Config(
-            vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        lambda: transformers.Qwen3Config(**DECODER, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                                         tie_word_embeddings=True, rope_parameters=DEFAULT_ROPE)),
     "qwen2_bias": (
         ["job.model.family=llama", "job.model.n_heads=4", "job.model.n_kv_heads=2", "job.model.head_dim=8",
          "job.model.d_ff=48", "job.model.tie_embeddings=false", "job.model.qkv_bias=true", "job.model.norm_eps=1e-6",
          "job.model.rope.theta=1000000"],
-        lambda: transformers.Qwen2Config(
-            vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        lambda: transformers.Qwen2Config(**DECODER, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                         tie_word_embeddings=False, rope_parameters=DEFAULT_ROPE)),
 }
 CASES = [(name, scan) for name in VARIANTS for scan in (True, False)]
 

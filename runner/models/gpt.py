@@ -110,6 +110,11 @@ def empty_cache(cfg: Any, kv_heads: int, batch: int, length: int) -> dict[str, j
     return {"key": jnp.zeros(shape, cfg.dtype), "value": jnp.zeros(shape, cfg.dtype)}
 
 
+def check_length(cfg: Any, seq_len: int) -> None:
+    if seq_len > cfg.context_length:
+        raise ValueError(f"sequence length {seq_len} exceeds context_length {cfg.context_length}")
+
+
 def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array, shared: tuple[Any, ...],
                  caches: KVCache | None, index: jax.Array | None,
                  rngs: tuple[str, ...] = ("params",)) -> tuple[jax.Array, KVCache | None]:
@@ -295,8 +300,7 @@ class GPT(nn.Module):
                  index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         _, seq_len = tokens.shape
-        if seq_len > cfg.context_length:
-            raise ValueError(f"sequence length {seq_len} exceeds context_length {cfg.context_length}")
+        check_length(cfg, seq_len)
 
         wte = nn.Embed(
             cfg.vocab_size,

@@ -26,7 +26,8 @@ from flax import linen as nn
 from runner.errors import ConfigError, UserError
 from runner.hf import HFTensor, one, same
 from runner.models.family import MODEL_FAMILIES, fields_of
-from runner.models.gpt import _COMPUTE_DTYPES, LOGICAL_AXIS_RULES as GPT_RULES, empty_cache, output_logits, stack_blocks
+from runner.models.gpt import (_COMPUTE_DTYPES, LOGICAL_AXIS_RULES as GPT_RULES, check_length, empty_cache,
+                              output_logits, stack_blocks)
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -213,8 +214,7 @@ class Llama(nn.Module):
                  index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         batch, seq_len = tokens.shape
-        if seq_len > cfg.context_length:
-            raise ValueError(f"sequence length {seq_len} exceeds context_length {cfg.context_length}")
+        check_length(cfg, seq_len)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
                          embedding_init=_init(0.02, ("vocab", "embed")), name="embed")
         start = jnp.zeros((batch,), jnp.int32) if cache is None else jnp.asarray(index, jnp.int32)
