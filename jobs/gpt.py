@@ -11,7 +11,7 @@ import jax
 
 from runner import hf
 from runner.job import JOBS
-from runner.models import family_for
+from runner.models import family_for, model_config
 from runner.spec import ExecutionSpec
 from runner.trainer import BaseTrainer
 
@@ -21,7 +21,7 @@ from runner.trainer import BaseTrainer
 class LMTrainer(BaseTrainer[Any, Any]):
     @classmethod
     def config_from_spec(cls, spec: ExecutionSpec) -> Any:
-        return family_for(spec).config(spec.job.model)
+        return model_config(spec)
 
     def build_model(self, config: Any) -> Any:  # type: ignore[override]
         return self._family.module(config)
@@ -29,6 +29,7 @@ class LMTrainer(BaseTrainer[Any, Any]):
     def __init__(self, spec: ExecutionSpec, devices: Sequence[Any] | None = None) -> None:
         self._family = family_for(spec)
         super().__init__(spec, devices)
+        self.attention = getattr(self.model_config, "attention", "")  # resolved for the platform
 
     @functools.cached_property
     def logical_axis_rules(self) -> Sequence[tuple[str, Any]]:  # type: ignore[override]

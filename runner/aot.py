@@ -82,6 +82,9 @@ class CompileReport:
     flops_loops_counted_once: bool = False  # the program has loops; XLA counts each body once
     analytic_flops: float | None = None  # whole step, all devices (6N + attention)
     peak_flops_per_device: float | None = None
+    attention: str = "xla"  # the attention implementation the target runs (job.model.attention)
+    param_dtype: str = "float32"
+    optimizer_state_dtype: str = "float32"
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -97,6 +100,8 @@ class CompileReport:
             f"Compiled the {self.job} train step for {self.topology}: {self.devices} x {self.device_kind},"
             f" mesh {mesh}, in {self.compile_seconds:.1f}s",
             f"  batch {self.batch_size} x {self.seq_len} tokens ({micro}), {self.parameters:,} parameters",
+            f"  attention {self.attention}, parameters in {self.param_dtype}, optimizer state in"
+            f" {self.optimizer_state_dtype}",
             "",
             "  memory per device",
         ]
@@ -341,6 +346,8 @@ def compile_report(spec: ExecutionSpec) -> CompileReport:
         sharded_argument_bytes=_sharded_bytes((abstract, batch)),
         analytic_flops=_analytic_flops(job),
         peak_flops_per_device=None if topology.chip is None else topology.chip.peak_bf16_flops_per_device,
+        attention=str(getattr(job, "attention", "xla")), param_dtype=spec.job.model.param_dtype,
+        optimizer_state_dtype=spec.optimizer.state_dtype,
     )
     start = time.perf_counter()
     with job._context():

@@ -24,6 +24,7 @@ from runner.loop import Component, Loop
 from runner.metrics import MetricsLogger, Timer
 from runner.spec import ExecutionSpec
 from runner.stopping import StopConditions
+from runner.throughput import Throughput
 
 
 class ProfilerWindow(Component):
@@ -38,14 +39,16 @@ class ProfilerWindow(Component):
 
 
 class MetricsReport(Component):
-    """Adds tokens/s, tokens seen, step time and data wait to each step's metrics; updates the
+    """Adds tokens/s (and per device, TFLOP/s per device and MFU: runner.throughput), tokens seen,
+    step time and data wait to each step's metrics; updates the
     progress line; logs every train.log_every steps, the last step and every skipped step; logs
     per-layer norms (and wandb histograms) every debug.norms_every steps."""
 
     def __init__(self, spec: ExecutionSpec, logger: MetricsLogger, start_step: int,
                  data_wait: Callable[[], float] = lambda: 0.0, warn: Callable[[str], None] = print,
-                 clock: Optional[Callable[[], float]] = None) -> None:
+                 clock: Optional[Callable[[], float]] = None, throughput: Optional[Throughput] = None) -> None:
         self.spec, self.logger, self.data_wait, self.warn = spec, logger, data_wait, warn
+        self.throughput = throughput
         self.tokens_per_step = spec.train.batch_size * spec.train.seq_len
         self.timer = Timer(start_step, spec.train.steps, **({"clock": clock} if clock else {}))
         self.last: dict[str, float] = {}
@@ -54,6 +57,8 @@ class MetricsReport(Component):
         values = dict(metrics)
         dt, eta = self.timer.tick(step)
         values["tokens_per_s"] = self.tokens_per_step / dt if dt > 0 else 0.0
+        if self.throughput is not None:
+            values.update(self.throughput.rates(values["tokens_per_s"]))
         values["tokens_seen"] = float(step * self.tokens_per_step)
         values["step_time_s"] = dt
         values["data_wait_s"] = float(self.data_wait())

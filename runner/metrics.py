@@ -74,6 +74,9 @@ class Progress:
             parts.append(f"loss {metrics['loss']:.4f}")
         if "tokens_per_s" in metrics:
             parts.append(f"{_format_rate(metrics['tokens_per_s'])} tok/s")
+        if "tflops_per_device" in metrics:
+            mfu = f", MFU {100 * metrics['mfu']:.1f}%" if "mfu" in metrics else ""
+            parts.append(f"{metrics['tflops_per_device']:.3g} TFLOP/s/dev{mfu}")
         parts.append(f"ETA {_format_duration(eta_s)}")
         return " | ".join(parts)
 

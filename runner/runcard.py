@@ -31,6 +31,8 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
                                          else "unknown"),
         f"mesh: {facts['mesh']} over {facts['devices']} devices, {facts['processes']} process(es)",
         "memory per device (estimate): " + (f"{mem / 2**20:,.1f} MiB ({facts['memory_source']})" if mem else "unknown"),
+        *([f"attention: {facts['attention']}"] if facts.get("attention") else []),
+        *([facts["throughput"]] if facts.get("throughput") else []),
     ]
 
 

@@ -71,7 +71,9 @@ class ModelSpec(_Frozen):
     d_ff: int = 0  # 0: 4 * d_model
     tie_embeddings: bool = True
     dropout: float = 0.0
-    compute_dtype: str = "float32"  # float32 | bfloat16 (parameters stay float32)
+    compute_dtype: str = "float32"  # float32 | bfloat16: activations and matmuls
+    param_dtype: str = "float32"  # float32 | bfloat16: the stored parameters (and their gradients)
+    attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
     remat: str = "none"  # none | full | dots
     use_bias: bool = True
     scan_layers: bool = True
@@ -124,6 +126,9 @@ class DataSpec(_Frozen):
     stages: tuple[StageSpec, ...] = ()  # sequential
     prefetch: int = 2
     num_threads: int = 2
+    # Packed rows carry segment ids and per-document positions: attention stops at each
+    # end-of-document token, positions restart, and no target crosses a document boundary.
+    document_mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ class OptimizerSpec(_Frozen):
     momentum: float = 0.9
     nesterov: bool = False
     clip_norm: Optional[float] = 1.0
+    state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored
 
 
 @dataclass(frozen=True)
@@ -385,6 +391,7 @@ def validate(spec: ExecutionSpec) -> None:
         _positive(f"job.model.{key}", getattr(m, key))
     _positive("job.model.d_ff", m.d_ff, allow_zero=True)
     _one_of("job.model.compute_dtype", m.compute_dtype, ("float32", "bfloat16"))
+    _one_of("job.model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
     _one_of("job.model.remat", m.remat, ("none", "full", "dots"))
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("job.model.dropout", m.dropout, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")
@@ -427,6 +434,7 @@ def validate(spec: ExecutionSpec) -> None:
     _positive("data.num_threads", spec.data.num_threads)
     o, s = spec.optimizer, spec.schedule
     _positive("optimizer.lr", o.lr)
+    _one_of("optimizer.state_dtype", o.state_dtype, ("float32", "bfloat16"))
     _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
     if not 0.0 <= s.final_lr_fraction <= 1.0:
         raise ConfigError("schedule.final_lr_fraction", s.final_lr_fraction, "it must be in [0, 1].",

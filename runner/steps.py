@@ -13,18 +13,20 @@ import jax.numpy as jnp
 import optax
 
 from runner import debug
+from runner.data.documents import model_inputs
 from runner.guards import guard_update
 from runner.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
 
-Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"}, each (S, B, T)
+Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"} (+ "segment_ids", "positions"), each (S, B, T)
 # (state, params, micro-batch, key) -> (summed loss over real targets, number of real targets)
 LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array], key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sum of per-token cross-entropy over real targets, number of real targets)."""
-    logits = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key})
+    logits = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key},
+                            **model_inputs(micro))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
     mask = micro["mask"].astype(jnp.float32)
     return jnp.sum(losses * mask), jnp.sum(mask)
@@ -44,7 +46,7 @@ def train_step(state: Any, batch: Batch, key: jax.Array, accumulate_steps: int, 
         grads = jax.tree.map(jnp.add, grads, micro_grads)
         return (grads, loss_sum + micro_loss, count + micro_count), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), state.params)
     keys = jax.random.split(key, accumulate_steps)
     zero = jnp.zeros((), jnp.float32)
     (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, zero, zero), (batch, keys))
@@ -62,7 +64,7 @@ def val_step(state: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
     of real targets that are the argmax prediction})."""
 
     def one(carry, micro):
-        logits = state.apply_fn({"params": state.params}, micro["x"], deterministic=True)
+        logits = state.apply_fn({"params": state.params}, micro["x"], deterministic=True, **model_inputs(micro))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
         mask = micro["mask"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == micro["y"]).astype(jnp.float32) * mask

@@ -35,6 +35,8 @@ from runner import checkpoint as ckpt
 from runner import debug, faults, runcard, state as st, steps
 from runner.callbacks import CallbackList
 from runner.data.loader import BatchLoader
+from runner.data.documents import DocumentMasked
+from runner.throughput import Throughput
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.distributed import any_process
 from runner.errors import UserError
@@ -81,6 +83,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.model_config: C = self.config_from_spec(spec)
         self.model: M = self.build_model(self.model_config)
         self.strategy: DatasetStrategy = build_strategy(spec.data.strategy, spec.data)
+        if spec.data.document_mask:
+            self.strategy = DocumentMasked(self.strategy)
         self.check_vocab()
         self.lr_schedule = self._schedule()
         self.tx = self._optimizer()
@@ -263,7 +267,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         params = nn.meta.unbox(self.abstract_variables)["params"]
         settings = dataclasses.replace(optimizer_settings(self.spec),
                                        param_axes=param_axis_names(params, self.param_specs))
-        return build_optimizer(chosen, self.lr_schedule, settings, self.spec.optimizer.clip_norm)
+        return build_optimizer(chosen, self.lr_schedule, settings, self.spec.optimizer.clip_norm,
+                               self.spec.optimizer.state_dtype)
 
     def _context(self) -> contextlib.ExitStack:
         """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
@@ -331,6 +336,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if jax.process_count() == 1:  # one batched transfer: about a third cheaper per step
             return jax.device_put(dict(local), sharding)
         return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+
+    @functools.cached_property
+    def throughput(self) -> Throughput:
+        """Per-device rates and MFU for the progress line and metrics (runner.throughput)."""
+        return Throughput.for_run(self.flops_per_token(), self.topology, self.devices)
 
     def eval_context(self) -> EvalContext:
         return EvalContext(spec=self.spec, mesh=self.mesh, strategy=self.strategy, val_step=self.compiled_val_step,
@@ -464,7 +474,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return [
             ProfilerWindow(debug.Profiler(self.run_dir, spec.debug.profile_start, spec.debug.profile_steps)),
             MetricsReport(spec, logger, self.step, data_wait=lambda: getattr(loader, "wait_seconds", 0.0),
-                          warn=self.warn),
+                          warn=self.warn, throughput=self.throughput),
             StepHooks(self._before_step, self._after_step),
             GuardStop(GuardMonitor(spec.guard)),
             StopRequests(stops),
@@ -544,6 +554,9 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if not final:
             self._facts = runcard.run_facts(self.state.params, self.flops_per_token(), self.mesh,
                                             self.train_executable(), self.state)
+            self._facts["throughput"] = self.throughput.describe()
+            if getattr(self, "attention", ""):
+                self._facts["attention"] = self.attention
             for line in runcard.summary_lines(self._facts):
                 self.logger.progress.message(line)
         if jax.process_index() == 0:

@@ -74,12 +74,23 @@ def test_an_oversized_batch_does_not_fit_and_exits_3(tmp_path: Path, topology: s
         assert report["memory"]["total"] > report["limit_bytes"]
 
 
+@needs_libtpu
+def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) -> None:
+    """attention=auto on a TPU is the splash kernel, lowered by Mosaic for the TPU (not interpreted)."""
+    proc = run_runner(["topology=v4-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
+                       "train.batch_size=8", "logging.wandb=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _summary(proc.stdout)
+    assert report["attention"] == "splash" and "attention splash" in proc.stdout
+    assert report["fits"] is True
+
+
 def test_cpu_4_compiles_for_four_local_devices(tmp_path: Path) -> None:
     # One device in XLA_FLAGS: mode=compile gives cpu-4 its four devices itself.
     proc = run_runner(["topology=cpu-4", "mode=compile", *SMALL], tmp_path, devices=1)
     assert proc.returncode == 0, proc.stderr
     report = _summary(proc.stdout)
-    assert (report["devices"], report["mesh"]["data"], report["fits"]) == (4, 4, True)
+    assert (report["devices"], report["mesh"]["data"], report["fits"], report["attention"]) == (4, 4, True, "xla")
     assert report["memory"]["total"] > 0 and "host RAM / 4 devices" in proc.stdout
 
 

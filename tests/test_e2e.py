@@ -33,8 +33,10 @@ def test_run_trains_and_writes_everything(finished_run) -> None:
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "tokens_per_s_per_device",
+                "tflops_per_device", "mfu"):
         assert key in train[0]
+    assert "TFLOP/s/dev, MFU" in result.stdout and "MFU peak per device" in result.stdout
     assert np.mean([r["loss"] for r in train[-5:]]) < np.mean([r["loss"] for r in train[:5]]) - 0.5
     evals = [r for r in records if "eval/stdlib/loss" in r]
     assert [r["step"] for r in evals] == [0, 20, 40]

@@ -134,6 +134,20 @@ def test_warm_start_from_parameters(tmp_path, reference) -> None:
     assert bad.returncode == 2 and "no complete checkpoint" in bad.stderr
 
 
+def test_document_masked_runs_resume_exactly(tmp_path, reference) -> None:
+    """data.document_mask adds segment ids and positions to every row; the batch is still a pure
+    function of the step, so a killed run resumes to the same parameters, bit for bit."""
+    args = [*BASE, "data.document_mask=true"]
+    straight = run_runner([*args, "run.dir=straight"], tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run_runner([*args, "run.dir=run"], tmp_path, RUNNER_FAULT="kill_at_step:13")
+    assert killed.returncode == -signal.SIGKILL
+    again = run_runner([*args, "run.dir=run"], tmp_path)
+    assert again.returncode == 0 and "resumed from step 8 " in again.stdout, again.stderr[-3000:]
+    assert_same_run(tmp_path / "run", tmp_path / "straight")
+    assert losses(tmp_path / "straight") != losses(reference)  # the masking did change what it trained on
+
+
 def test_resume_on_another_mesh_reshards(tmp_path, reference) -> None:
     args = [*BASE, "run.dir=run"]
     first = run_runner([*args, "topology=cpu-4", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], tmp_path,

@@ -43,6 +43,7 @@ class DatasetStrategy(Protocol):
     vocab_size: int
     fingerprint: str  # changes whenever the training data would change
     tokenizer: str | None  # name in runner.data.tokenizer.TOKENIZERS, None if not text
+    eod_id: int | None  # the end-of-document token, None if the rows are not documents
 
     def train(self, seq_len: int, seed: int, global_batch: int | None = None) -> grain.MapDataset:
         """Row ``i`` of the training data. ``global_batch`` (rows per optimizer step) lets a
@@ -170,6 +171,7 @@ class MixtureStrategy:
         first = self.sources[0]
         self.vocab_size = first.store.vocab_size
         self.tokenizer: str | None = first.store.tokenizer
+        self.eod_id: int | None = first.store.eod_id
         check_same_tokenizer(self.sources)
         self.proportions = integer_proportions([s.weight for s in self.sources if s.weight > 0])
         self.fingerprint = hashlib.sha256(
@@ -353,6 +355,7 @@ class SequentialStrategy:
         check_same_tokenizer(sources)
         self.vocab_size = sources[0].store.vocab_size
         self.tokenizer: str | None = sources[0].store.tokenizer
+        self.eod_id: int | None = sources[0].store.eod_id
         self.fingerprint = hashlib.sha256(
             json.dumps(
                 {
@@ -447,6 +450,7 @@ class SyntheticStrategy:
 
     SETTINGS = ("vocab_size",)
     tokenizer: str | None = None
+    eod_id: int | None = None  # random tokens: no documents
 
     def __init__(self, vocab_size: int = 257) -> None:
         self.vocab_size = vocab_size

@@ -23,6 +23,7 @@ from flax import linen as nn
 
 from runner.errors import ConfigError, UserError
 from runner.hf import HFTensor, one, same
+from runner.models.attention import attend
 from runner.models.family import MODEL_FAMILIES, fields_of
 
 # Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
@@ -62,6 +63,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    attention: str = "auto"  # runner.models.attention
     remat: str = "none"
     use_bias: bool = True
     scan_layers: bool = True
@@ -73,8 +76,9 @@ class GPTConfig:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
-        if self.compute_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}")
+        for name in ("compute_dtype", "param_dtype"):
+            if getattr(self, name) not in _COMPUTE_DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(_COMPUTE_DTYPES)}")
         if self.remat not in ("none", *_REMAT_POLICIES):
             raise ValueError(f"remat must be 'none', 'full' or 'dots', got {self.remat!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -87,6 +91,10 @@ class GPTConfig:
     @property
     def dtype(self) -> Any:
         return _COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def params_dtype(self) -> Any:
+        return _COMPUTE_DTYPES[self.param_dtype]
 
 
 def _init(std: float, names: tuple[str | None, ...]) -> Callable[..., Any]:
@@ -151,7 +159,7 @@ def output_logits(cfg: Any, x: jax.Array, embed: nn.Embed, new_cache: KVCache | 
     if cfg.tie_embeddings:
         logits = embed.attend(x)
     else:
-        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
                           kernel_init=_init(0.02, ("embed", "vocab")), name="lm_head")(x)
     logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
     if not decoding:
@@ -164,6 +172,7 @@ def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(
         epsilon=1e-5,
         dtype=cfg.dtype,
+        param_dtype=cfg.params_dtype,
         use_bias=cfg.use_bias,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
         bias_init=_zeros(("embed",)),
@@ -191,9 +200,10 @@ class CausalSelfAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: KVCache | None = None,
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: KVCache | None = None,
                  index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-        """Full causal attention, or with ``cache`` (this layer's keys and values, (B, L, N, H)
+        """Full causal attention (within each segment when ``segment_ids`` (B, T) are given, by
+        ``cfg.attention``), or with ``cache`` (this layer's keys and values, (B, L, N, H)
         each) attention of the new tokens at per-row positions ``index + t`` over the cache,
         into which their keys and values are written. Returns (output, updated cache or None)."""
         cfg = self.cfg
@@ -203,6 +213,7 @@ class CausalSelfAttention(nn.Module):
                 "btd,dnh->btnh",
                 use_bias=cfg.use_bias,
                 dtype=cfg.dtype,
+                param_dtype=cfg.params_dtype,
                 kernel_init=_init(0.02, ("embed", "heads", "kv")),
                 bias_init=_zeros(("heads", "kv")),
                 name=name,
@@ -211,7 +222,7 @@ class CausalSelfAttention(nn.Module):
 
         q, k, v = proj("query"), proj("key"), proj("value")
         if cache is None:
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+            y = attend(cfg.attention, q, k, v, segment_ids)  # (B, T, N, H)
         else:
             assert index is not None, "decoding with a cache needs each row's start position"
             write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
@@ -227,6 +238,7 @@ class CausalSelfAttention(nn.Module):
             "btnh,nhd->btd",
             use_bias=cfg.use_bias,
             dtype=cfg.dtype,
+            param_dtype=cfg.params_dtype,
             kernel_init=_init(_residual_std(cfg), ("heads", "kv", "embed")),
             bias_init=_zeros(("embed",)),
             name="out",
@@ -247,6 +259,7 @@ class MLP(nn.Module):
             cfg.d_ff,
             use_bias=cfg.use_bias,
             dtype=cfg.dtype,
+            param_dtype=cfg.params_dtype,
             kernel_init=_init(0.02, ("embed", "mlp")),
             bias_init=_zeros(("mlp",)),
             name="fc",
@@ -256,6 +269,7 @@ class MLP(nn.Module):
             cfg.d_model,
             use_bias=cfg.use_bias,
             dtype=cfg.dtype,
+            param_dtype=cfg.params_dtype,
             kernel_init=_init(_residual_std(cfg), ("mlp", "embed")),
             bias_init=_zeros(("embed",)),
             name="proj",
@@ -271,10 +285,11 @@ class Block(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: KVCache | None = None,
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: KVCache | None = None,
                  index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
-        y, cache = CausalSelfAttention(cfg, self.deterministic, name="attn")(_layer_norm(cfg, "ln_1")(x), cache, index)
+        y, cache = CausalSelfAttention(cfg, self.deterministic, name="attn")(_layer_norm(cfg, "ln_1")(x), segment_ids,
+                                                                            cache, index)
         x = x + y
         x = x + MLP(cfg, self.deterministic, name="mlp")(_layer_norm(cfg, "ln_2")(x))
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
@@ -282,6 +297,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2 language model: ``int32[B, T] -> float32[B, T, vocab]`` logits.
+
+    Packed documents: ``segment_ids`` (B, T) keep attention inside each document and
+    ``positions`` (B, T) restart the learned positions at each one (runner.data.documents).
 
     Decoding with a KV cache uses the same call and the same weights: pass ``cache`` (from
     ``init_cache``) and ``index`` (each row's position of its first new token) and get
@@ -296,8 +314,9 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
-                 cache: dict[str, jax.Array] | None = None,
-                 index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+                 cache: dict[str, jax.Array] | None = None, index: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         _, seq_len = tokens.shape
         check_length(cfg, seq_len)
@@ -306,6 +325,7 @@ class GPT(nn.Module):
             cfg.vocab_size,
             cfg.d_model,
             dtype=cfg.dtype,
+            param_dtype=cfg.params_dtype,
             embedding_init=_init(0.02, ("vocab", "embed")),
             name="wte",
         )
@@ -313,11 +333,12 @@ class GPT(nn.Module):
             cfg.context_length,
             cfg.d_model,
             dtype=cfg.dtype,
+            param_dtype=cfg.params_dtype,
             embedding_init=_init(0.02, (None, "embed")),
             name="wpe",
         )
         if cache is None:
-            x = wte(tokens) + wpe(jnp.arange(seq_len))[None]
+            x = wte(tokens) + (wpe(jnp.arange(seq_len))[None] if positions is None else wpe(positions))
         else:
             index = jnp.asarray(index, jnp.int32)
             x = wte(tokens) + wpe(index[:, None] + jnp.arange(seq_len))
@@ -327,8 +348,8 @@ class GPT(nn.Module):
 
         # One compiled block when scanned: each layer's slice of the cache is scanned in, the
         # updated slices stacked back.
-        x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (), None if cache is None else layer_caches,
-                                    index, rngs=("params", "dropout"))
+        x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (segment_ids,),
+                                    None if cache is None else layer_caches, index, rngs=("params", "dropout"))
         x = _layer_norm(cfg, "ln_f")(x)
         return output_logits(cfg, x, wte, new_cache, decoding=cache is not None)
 

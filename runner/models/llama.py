@@ -4,7 +4,7 @@ Rotary position embeddings (theta, and Llama 3's frequency scaling), RMSNorm, a 
 grouped-query attention (``n_kv_heads`` from 1 to ``n_heads``), optional QK-norm (Qwen3),
 optional q/k/v biases (Qwen2), tied or untied embeddings, and ``head_dim`` independent of
 ``d_model``. Layers scan (``scan_layers``) and rematerialise (``remat``) as GPT's do; parameters
-are float32 and the compute dtype is ``compute_dtype``. The tensor layout follows Hugging Face's
+are stored in ``param_dtype`` and the compute dtype is ``compute_dtype``. The tensor layout follows Hugging Face's
 (rotate-half rotary embeddings, RMSNorm computed in float32), so weights move between the two.
 
 Logical axes as GPT's, plus ``kv_heads`` for the key/value heads: on the tensor axis when it
@@ -13,6 +13,7 @@ divides n_kv_heads, replicated when it does not (see `axis_rules`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from flax import linen as nn
 
 from runner.errors import ConfigError, UserError
 from runner.hf import HFTensor, one, same
+from runner.models.attention import attend
 from runner.models.family import MODEL_FAMILIES, fields_of
 from runner.models.gpt import (_COMPUTE_DTYPES, LOGICAL_AXIS_RULES as GPT_RULES, check_length, empty_cache,
                               output_logits, stack_blocks)
@@ -53,6 +55,8 @@ class LlamaConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    attention: str = "auto"  # runner.models.attention
     remat: str = "none"
     scan_layers: bool = True
 
@@ -65,6 +69,10 @@ class LlamaConfig:
     @property
     def dtype(self) -> Any:
         return _COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def params_dtype(self) -> Any:
+        return _COMPUTE_DTYPES[self.param_dtype]
 
 
 def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
@@ -109,11 +117,12 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: Any
     axis_name: str = "embed"
+    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
-                            (x.shape[-1],), jnp.float32)
+                            (x.shape[-1],), self.param_dtype)
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
         return (weight * h).astype(self.dtype)
@@ -131,13 +140,14 @@ class Attention(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-                 index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
 
         def proj(name: str, heads: int, axis: str) -> jax.Array:
             y = nn.Einsum((cfg.d_model, heads, cfg.head_dim), "btd,dnh->btnh", use_bias=cfg.qkv_bias,
-                          dtype=cfg.dtype, kernel_init=_init(0.02, ("embed", axis, "kv")),
+                          dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                          kernel_init=_init(0.02, ("embed", axis, "kv")),
                           bias_init=_zeros((axis, "kv")), name=name)(x)
             return nn.with_logical_constraint(y, ("batch", "length", axis, "kv"))
 
@@ -145,12 +155,12 @@ class Attention(nn.Module):
         k = proj("key", cfg.n_kv_heads, "kv_heads")
         v = proj("value", cfg.n_kv_heads, "kv_heads")
         if cfg.qk_norm:
-            q = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", name="query_norm")(q)
-            k = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", name="key_norm")(k)
+            q = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", cfg.params_dtype, name="query_norm")(q)
+            k = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", cfg.params_dtype, name="key_norm")(k)
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if cache is None:
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"))
         else:
             assert index is not None, "decoding with a cache needs each row's start position"
             write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
@@ -161,6 +171,7 @@ class Attention(nn.Module):
             y = jax.nn.dot_product_attention(q, cached_k, cached_v, mask=mask[:, None])
             cache = (cached_k, cached_v)
         y = nn.Einsum((cfg.n_heads, cfg.head_dim, cfg.d_model), "btnh,nhd->btd", use_bias=False, dtype=cfg.dtype,
+                      param_dtype=cfg.params_dtype,
                       kernel_init=_init(0.02 / math.sqrt(2 * cfg.n_layers), ("heads", "kv", "embed")), name="out")(y)
         return y, cache
 
@@ -175,7 +186,8 @@ class MLP(nn.Module):
         cfg = self.cfg
 
         def dense(name: str, features: int, names: tuple[str, str], std: float) -> nn.Dense:
-            return nn.Dense(features, use_bias=False, dtype=cfg.dtype, kernel_init=_init(std, names), name=name)
+            return nn.Dense(features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                            kernel_init=_init(std, names), name=name)
 
         h = nn.silu(dense("gate", cfg.d_ff, ("embed", "mlp"), 0.02)(x)) * dense("up", cfg.d_ff, ("embed", "mlp"), 0.02)(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
@@ -188,19 +200,20 @@ class Block(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
-                 index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
-        y, cache = Attention(cfg, name="attn")(RMSNorm(cfg.norm_eps, cfg.dtype, name="attn_norm")(x), positions,
-                                               cache, index)
+        norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
+        y, cache = Attention(cfg, name="attn")(norm(name="attn_norm")(x), positions, segment_ids, cache, index)
         x = x + y
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x))
+        x = x + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x))
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 
 class Llama(nn.Module):
     """``int32[B, T] -> float32[B, T, vocab]`` logits; with ``cache`` and ``index`` (as GPT's),
-    ``(logits, updated cache)`` for decoding."""
+    ``(logits, updated cache)`` for decoding. Packed documents: ``segment_ids`` (B, T) keep
+    attention inside each document, ``positions`` (B, T) restart the rotary positions."""
 
     cfg: LlamaConfig
 
@@ -210,20 +223,22 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
-                 cache: dict[str, jax.Array] | None = None,
-                 index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+                 cache: dict[str, jax.Array] | None = None, index: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         batch, seq_len = tokens.shape
         check_length(cfg, seq_len)
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
                          embedding_init=_init(0.02, ("vocab", "embed")), name="embed")
-        start = jnp.zeros((batch,), jnp.int32) if cache is None else jnp.asarray(index, jnp.int32)
-        positions = start[:, None] + jnp.arange(seq_len)[None]
+        if positions is None or cache is not None:
+            start = jnp.zeros((batch,), jnp.int32) if cache is None else jnp.asarray(index, jnp.int32)
+            positions = start[:, None] + jnp.arange(seq_len)[None]
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
         layer_caches = None if cache is None else (cache["key"], cache["value"])
 
-        x, new_cache = stack_blocks(Block, (cfg,), cfg, x, (positions,), layer_caches, index)
-        x = RMSNorm(cfg.norm_eps, cfg.dtype, name="norm")(x)
+        x, new_cache = stack_blocks(Block, (cfg,), cfg, x, (positions, segment_ids), layer_caches, index)
+        x = RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x)
         return output_logits(cfg, x, embed, new_cache, decoding=cache is not None)
 
 

@@ -30,4 +30,4 @@ def check_spec(spec: ExecutionSpec) -> None:
         OPTIMIZERS.get(o.name)
     schedule = build_schedule(s.name, o.lr, t.steps, min(s.warmup_steps, t.steps),
                               o.lr * s.final_lr_fraction, schedule_extra(spec))
-    build_optimizer(o.name, schedule, optimizer_settings(spec), o.clip_norm)
+    build_optimizer(o.name, schedule, optimizer_settings(spec), o.clip_norm, o.state_dtype)

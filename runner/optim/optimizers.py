@@ -249,23 +249,54 @@ def _resolve(
     return tx
 
 
+STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree)
+
+
+def state_stored_in(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
+    """`inner` with its floating-point state (moments, momentum, factored statistics) stored in
+    `dtype` and computed in float32: every update reads the state up to float32, runs `inner` and
+    rounds the new state back, so only storage (memory, checkpoints) is narrowed. Counts stay
+    integers."""
+
+    def init(params: Any) -> Any:
+        return _cast_floats(inner.init(params), dtype)
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        new_updates, new_state = inner.update(updates, _cast_floats(state, jnp.float32), params)
+        return new_updates, _cast_floats(new_state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
 def build_optimizer(
     name: str | optax.GradientTransformation,
     learning_rate: optax.ScalarOrSchedule,
     settings: OptimizerSettings = OptimizerSettings(),
     clip_norm: float | None = None,
+    state_dtype: str = "float32",
 ) -> optax.GradientTransformation:
-    """The optimizer called ``name`` (or the optax object given), after global-norm clipping.
+    """The optimizer called ``name`` (or the optax object given), after global-norm clipping,
+    its state stored in ``state_dtype`` (`state_stored_in`; float32 also with bfloat16 parameters,
+    whose optax moments would otherwise be bfloat16 too).
 
-    An optax object is used as-is: ``learning_rate`` and ``settings`` are then ignored, since
-    the job already baked its own into it.
+    An optax object is used as-is (unless clipping or a narrower state is asked for):
+    ``learning_rate`` and ``settings`` are then ignored, since the job already baked its own into it.
     """
     validate_settings(settings)
     if clip_norm is not None and (not _is_number(clip_norm) or clip_norm <= 0):
         raise ConfigError("optimizer.clip_norm", clip_norm, "must be a number > 0, or null.",
                           "use e.g. 1.0, or null to turn clipping off.")
+    if state_dtype not in STATE_DTYPES:
+        raise ConfigError("optimizer.state_dtype", state_dtype, "it is not a storage type for optimizer state.",
+                          f"use one of: {', '.join(STATE_DTYPES)}.")
     tx = _resolve(name, learning_rate, settings)
-    if clip_norm is None:
+    if clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    if tx is name and state_dtype == "float32":  # a ready-made optax object, nothing to add
         return tx
-    return optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    return state_stored_in(tx, STATE_DTYPES[state_dtype])
 

@@ -1,0 +1,199 @@
+"""Causal self-attention implementations, picked by `job.model.attention`.
+
+    xla     jax.nn.dot_product_attention's plain XLA path: the full score matrix in memory. The
+            reference every other implementation is tested against; runs everywhere.
+    cudnn   cuDNN's fused flash attention on NVIDIA GPUs (jax.nn.dot_product_attention with
+            implementation="cudnn"); needs bfloat16 compute.
+    splash  the TPU Pallas splash-attention kernel (block-sparse causal and segment masks, no score
+            matrix in memory). Asked for on a CPU it runs in Pallas interpret mode
+            (`splash_interpret`): exact but slow, for tests.
+    auto    the best one the platform has: splash on TPU (sequence lengths in multiples of 128),
+            cudnn on GPU with bfloat16 compute, xla otherwise. The default.
+
+Every implementation takes `segment_ids` (B, T) for document-masked packing: a query attends only
+to earlier keys of its own segment. None of them may ignore it (MaxText #4476: a fused kernel that
+dropped segment ids trained on the wrong loss without an error); tests compare each against xla
+with segments, outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from runner.errors import ConfigError
+from runner.registry import Registry
+
+# (q (B, T, N, H), k and v (B, T, K, H), segment_ids (B, T) or None, logical axes) -> (B, T, N, H)
+Attend = Callable[..., jax.Array]
+ATTENTION: Registry[Attend] = Registry("attention implementation", "job.model.attention", allow_import_paths=False)
+CHOICES = ("auto", "xla", "cudnn", "splash")
+Q_AXES = ("batch", "length", "heads", "kv")
+
+
+def segment_mask(segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
+    """(B, 1, T, T) True where query and key are in the same segment (None: no segments)."""
+    if segment_ids is None:
+        return None
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+@ATTENTION.register("xla")
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
+                  kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True,
+                                        implementation="xla")
+
+
+@ATTENTION.register("cudnn")
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
+                    kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
+    """cuDNN flash attention; segments become a boolean mask that cuDNN turns into an additive
+    bias (B, 1, T, T): correct, but it costs the score matrix's memory once per layer."""
+    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True,
+                                        implementation="cudnn")
+
+
+def splash_block(seq_len: int) -> int:
+    """The kernel's tile: 512 (MaxText's default) or the largest of 256, 128 dividing seq_len."""
+    return next(block for block in (512, 256, 128) if seq_len % block == 0)
+
+
+def _splash_kernel(heads: int, seq_len: int, interpret: bool) -> Any:
+    """A splash MQA kernel for `heads` query heads sharing one key/value head, causal. Built while
+    tracing (its mask tables become constants of the traced function; a cached kernel would leak
+    one trace's arrays into the next)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    b = splash_block(seq_len)
+    sizes = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    return sa.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
+                  interpret: bool) -> jax.Array:
+    """Splash on one device's shard: q (B, T, N, H), k/v (B, T, K, H), N a multiple of K."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    batch, seq_len, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    kernel = _splash_kernel(group, seq_len, interpret)
+    q = (q * (1.0 / math.sqrt(head_dim))).astype(q.dtype)  # the kernel does not scale
+    qg = q.reshape(batch, seq_len, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, T, H)
+
+    def one_row(qr: jax.Array, kr: jax.Array, vr: jax.Array, seg: Optional[jax.Array]) -> jax.Array:
+        ids = None if seg is None else sa.SegmentIds(q=seg, kv=seg)
+        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(qr, kr, vr)  # over K
+
+    if segment_ids is None:
+        out = jax.vmap(lambda a, b, c: one_row(a, b, c, None))(qg, kt, vt)
+    else:
+        out = jax.vmap(one_row)(qg, kt, vt, segment_ids)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq_len, heads, head_dim)
+
+
+def _fit(names: tuple[str, ...], shape: tuple[int, ...], mesh: Any) -> jax.sharding.PartitionSpec:
+    """The mesh axes the logical `names` map to, dropping any that do not divide the dimension (a
+    one-row batch at initialisation stays whole)."""
+    spec = nn.logical_to_mesh_axes(names)
+    fitted = []
+    for size, axes in zip(shape, (*spec, *[None] * (len(shape) - len(spec)))):
+        group = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        fitted.append(axes if size % math.prod(mesh.shape[a] for a in group) == 0 else None)
+    return jax.sharding.PartitionSpec(*fitted)
+
+
+@ATTENTION.register("splash")
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
+                     kv_axes: tuple[str, ...] = Q_AXES, interpret: bool = False) -> jax.Array:
+    """Splash attention under the current mesh: a Pallas kernel cannot be partitioned by XLA, so it
+    runs per device inside shard_map, rows split as the batch axis is and heads as the tensor axis
+    is. Key/value heads that are replicated while query heads are split (fewer kv heads than
+    tensor shards) are repeated to one per query head first. The kernel tiles the sequence in
+    blocks of 128: other lengths (a short initialisation batch, an evaluator's odd length) take
+    the xla path, which computes the same function (train.seq_len itself is checked, `check`)."""
+    if q.shape[1] % 128:
+        return xla_attention(q, k, v, segment_ids)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return _splash_local(q, k, v, segment_ids, interpret)
+    P = jax.sharding.PartitionSpec
+    q_spec, kv_spec = _fit(Q_AXES, q.shape, mesh), _fit(kv_axes, k.shape, mesh)
+    if kv_spec[2] != q_spec[2]:
+        repeat = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+        kv_spec = q_spec
+    seg_spec = P(q_spec[0], None)
+    local = functools.partial(_splash_local, interpret=interpret)
+    if segment_ids is None:
+        return jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q, k, v)
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, segment_ids)
+
+
+ATTENTION.register("splash_interpret")(functools.partial(splash_attention, interpret=True))
+
+
+def platform_of(device: Any) -> str:
+    """tpu, gpu or cpu."""
+    platform = str(device.platform).lower()
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def resolve(name: str, platform: str, compute_dtype: str, seq_len: int = 128) -> str:
+    """The implementation `name` means on `platform` (tpu, gpu, cpu): `auto` picks splash on TPU
+    (when seq_len is a multiple of its 128-token tiles), cudnn on GPU with bfloat16 compute (cuDNN
+    has no float32 kernel), xla otherwise; splash off a TPU is splash_interpret."""
+    if name == "splash" and platform != "tpu":
+        return "splash_interpret"
+    if name != "auto":
+        return name
+    if platform == "tpu" and seq_len % 128 == 0:
+        return "splash"
+    if platform == "gpu" and compute_dtype == "bfloat16":
+        return "cudnn"
+    return "xla"
+
+
+def check(name: str, platform: str, compute_dtype: str, seq_len: int) -> str:
+    """The resolved implementation, or a ConfigError when this platform cannot run `name`."""
+    if name not in CHOICES:
+        raise ConfigError("job.model.attention", name, "there is no attention implementation of that name.",
+                          f"use one of: {', '.join(CHOICES)}.")
+    impl = resolve(name, platform, compute_dtype, seq_len)
+    if impl == "cudnn" and platform not in ("gpu", "auto"):
+        raise ConfigError("job.model.attention", name, f"cuDNN attention runs on NVIDIA GPUs, and this run's "
+                          f"topology is {platform}.", "use auto (the best one the platform has) or xla.")
+    if impl == "cudnn" and compute_dtype != "bfloat16":
+        raise ConfigError("job.model.attention", name, "cuDNN's fused attention has no float32 kernel "
+                          f"(job.model.compute_dtype={compute_dtype}).",
+                          "set job.model.compute_dtype=bfloat16, or use attention=auto or xla.")
+    if impl == "splash_interpret" and platform == "gpu":
+        raise ConfigError("job.model.attention", name, "splash attention is a TPU kernel, and this run's "
+                          "topology is a GPU.", "use auto, cudnn or xla.")
+    if impl == "splash" and platform == "tpu" and seq_len % 128:
+        raise ConfigError("train.seq_len", seq_len, "splash attention on TPU tiles the sequence in blocks of "
+                          "128 tokens.", "use a multiple of 128, or job.model.attention=xla.")
+    return impl
+
+
+def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
+           kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
+    """Causal attention by implementation `impl` (`auto` resolved for the running backend)."""
+    if impl == "auto":  # a config that did not go through `check`: the default backend decides
+        impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
+                       q.shape[1])
+    return ATTENTION.get(impl)(q, k, v, segment_ids, kv_axes=kv_axes)
+
+
+__all__ = ["ATTENTION", "CHOICES", "attend", "check", "resolve", "segment_mask", "splash_block"]
