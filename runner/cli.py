@@ -104,10 +104,11 @@ def execute(spec: Any) -> None:
         if code:
             sys.exit(code)
         return
-    from runner import distributed
+    from runner import compile_cache, distributed
 
     from runner.topology import parse_topology
 
+    compile_cache.enable(spec.run.compile_cache)
     topology = parse_topology(spec.topology)
     tpu_hosts = topology.num_hosts if topology.platform == "tpu" and _tpu_present() else 0
     distributed.maybe_initialize(spec.distributed, tpu_hosts)  # before any other JAX use
@@ -168,6 +169,9 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
     from runner.config import build_spec
     from runner.sweep import SweepSummary
 
+    from runner import goodput
+
+    goodput.mark_launch()  # each member is a launch of its own run
     hydra_cfg = HydraConfig.get()
     summary = SweepSummary(Path(hydra_cfg.sweep.dir))
     run_dir, status, message = "", "finished", ""
@@ -207,6 +211,9 @@ def _already_finished(spec: Any) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     global _in_sweep_process
+    from runner import goodput
+
+    goodput.mark_launch()
     argv = list(sys.argv[1:] if argv is None else argv)
     _skip_absent_tpu(argv)
     _quiet_libraries()

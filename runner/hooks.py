@@ -40,15 +40,16 @@ class ProfilerWindow(Component):
 
 class MetricsReport(Component):
     """Adds tokens/s (and per device, TFLOP/s per device and MFU: runner.throughput), tokens seen,
-    step time and data wait to each step's metrics; updates the
-    progress line; logs every train.log_every steps, the last step and every skipped step; logs
-    per-layer norms (and wandb histograms) every debug.norms_every steps."""
+    step time and data wait to each step's metrics, and goodput (runner.goodput) to the logged
+    ones; updates the progress line; logs every train.log_every steps, the last step and every
+    skipped step; logs per-layer norms (and wandb histograms) every debug.norms_every steps."""
 
     def __init__(self, spec: ExecutionSpec, logger: MetricsLogger, start_step: int,
                  data_wait: Callable[[], float] = lambda: 0.0, warn: Callable[[str], None] = print,
-                 clock: Optional[Callable[[], float]] = None, throughput: Optional[Throughput] = None) -> None:
+                 clock: Optional[Callable[[], float]] = None, throughput: Optional[Throughput] = None,
+                 goodput: Optional[Callable[[], Mapping[str, float]]] = None) -> None:
         self.spec, self.logger, self.data_wait, self.warn = spec, logger, data_wait, warn
-        self.throughput = throughput
+        self.throughput, self.goodput = throughput, goodput
         self.tokens_per_step = spec.train.batch_size * spec.train.seq_len
         self.timer = Timer(start_step, spec.train.steps, **({"clock": clock} if clock else {}))
         self.last: dict[str, float] = {}
@@ -67,6 +68,8 @@ class MetricsReport(Component):
         self.last = values
         self.logger.progress.update(step, values, eta)
         if step % self.spec.train.log_every == 0 or step == self.spec.train.steps or values.get("skipped"):
+            if self.goodput is not None:
+                values.update(self.goodput())
             self.logger.log(step, {k: values[k] for k in sorted(values) if "_norm/" not in k})
         every = self.spec.debug.norms_every
         if every and step % every == 0:

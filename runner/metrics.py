@@ -36,13 +36,14 @@ def _format_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}"
 
 
-def truncate_jsonl(path: Path, last_step: int) -> None:
+def truncate_jsonl(path: Path, last_step: int) -> list[dict[str, Any]]:
     """Drop records of steps after `last_step`: they belong to an interrupted launch and will be
-    recomputed (identically) by the resumed one, so each step appears once. Process 0 only: the
-    file is replaced, and a writer holding it open must not lose its handle to another process."""
+    recomputed (identically) by the resumed one, so each step appears once. Returns the dropped
+    records (goodput counts the steps they lost). Process 0 only: the file is replaced, and a
+    writer holding it open must not lose its handle to another process."""
     if jax.process_index() != 0 or not path.exists():
-        return
-    kept = []
+        return []
+    kept, dropped = [], []
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
@@ -50,7 +51,10 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
             continue
         if record.get("step", 0) <= last_step:
             kept.append(line)
+        else:
+            dropped.append(record)
     atomic_write(path, "".join(line + "\n" for line in kept))
+    return dropped
 
 
 class Progress:

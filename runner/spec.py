@@ -287,6 +287,7 @@ class RunSpec(_Frozen):
     init_from: str = ""  # warm start a new run from another run's (or a step's) checkpoint
     init_mode: str = "params"  # params: fresh optimizer at step 0 | full: the whole state
     sweep: str = ""  # the sweep's name (empty: derived from its command line); members only
+    compile_cache: str = "default"  # persistent compilation cache: default | none | a directory
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ from runner import debug, faults, runcard, state as st, steps
 from runner.callbacks import CallbackList
 from runner.data.loader import BatchLoader
 from runner.data.documents import DocumentMasked
+from runner import goodput
+from runner.goodput import Goodput
 from runner.throughput import Throughput
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.distributed import any_process
@@ -97,6 +99,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.last_texts: dict[str, str] = {}  # text made by the latest evaluation (samples)
         self.logger: Optional[MetricsLogger] = None
         self.callbacks = CallbackList([*CallbackList.from_spec(spec).callbacks, *faults.callbacks()])
+        self.goodput = Goodput()  # where this run's wall time goes (runner.goodput)
+        self._loader: Any = None
 
     # ================================================================== job-specific parts
 
@@ -216,22 +220,26 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.callbacks("on_init_start", self)
         abstract, self.state_sharding = self.abstract_state()
         self.model_shapes = st.model_shapes(abstract.params)
-        if suffix is not None:
-            restored: Optional[ckpt.Restored] = self._restore_named(Path(suffix), abstract)
-        else:
-            restored = self.checkpointer.restore_latest(st.state_tree(abstract), self.spec.checkpoint.on_damaged,
-                                                        warn=self.warn, check=self.check_compatible)
+        with self.goodput.timing("restore"):
+            if suffix is not None:
+                restored: Optional[ckpt.Restored] = self._restore_named(Path(suffix), abstract)
+            else:
+                restored = self.checkpointer.restore_latest(st.state_tree(abstract), self.spec.checkpoint.on_damaged,
+                                                            warn=self.warn, check=self.check_compatible)
         if restored is None:
             self.state = self.init_state()
             if self.spec.run.init_from:
-                self.warm_start(abstract)
+                with self.goodput.timing("restore"):
+                    self.warm_start(abstract)
             self.step = int(self.state.step)
-            truncate_jsonl(self.run_dir / METRICS_FILE, -1)  # a fresh start logs everything anew
+            lost = truncate_jsonl(self.run_dir / METRICS_FILE, -1)  # a fresh start logs everything anew
+            self.goodput.carry(None, lost, 0)
         else:
             self.state = abstract.replace(**restored.state)
             self.step = self.restored_step = int(restored.step)
             self.wandb_run_id = restored.meta.get("wandb_run_id")
-            truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
+            lost = truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
+            self.goodput.carry(restored.meta.get("goodput"), lost, self.step)
         self.callbacks("on_init_end", self)
         return restored is not None
 
@@ -361,7 +369,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if self.checkpointer.saved_step == self.step or not (last or self.checkpointer.policy.due(self.step)):
             return False
         self.callbacks("on_save_start", self, step=self.step)
-        self.checkpointer.save(self.step, st.state_tree(self.state), self.checkpoint_meta, last=last)
+        with self.goodput.timing("checkpoint"):
+            self.checkpointer.save(self.step, st.state_tree(self.state), self.checkpoint_meta, last=last)
         self.callbacks("on_save_end", self, step=self.step)
         return True
 
@@ -405,7 +414,15 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             "wandb_run_id": self.wandb_run_id,
             "best": self.checkpointer.policy.best,
             "saved_unix": time.time(),
+            "goodput": self.goodput.to_meta(self.goodput_totals()),
         }
+
+    def goodput_totals(self) -> dict[str, float]:
+        return self.goodput.totals(float(getattr(self._loader, "wait_seconds", 0.0)))
+
+    def goodput_report(self) -> dict[str, float]:
+        """goodput/percent and seconds per category, over all launches (runner.goodput)."""
+        return self.goodput.report(self.goodput_totals())
 
     # ================================================================== the loop
 
@@ -453,7 +470,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         numbers; tell the checkpoint policy (best-K)."""
         assert self.logger is not None
         self.callbacks("on_eval_start", self, step=self.step)
-        results = self.evaluate(only)
+        with self.goodput.timing("eval"):
+            results = self.evaluate(only)
         self.callbacks("on_eval_end", self, step=self.step, results=results)
         self.logger.log_eval(self.step, results, self.last_texts)
         self.checkpointer.policy.note_evaluation(self.step, results, complete=only is None)
@@ -474,7 +492,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return [
             ProfilerWindow(debug.Profiler(self.run_dir, spec.debug.profile_start, spec.debug.profile_steps)),
             MetricsReport(spec, logger, self.step, data_wait=lambda: getattr(loader, "wait_seconds", 0.0),
-                          warn=self.warn, throughput=self.throughput),
+                          warn=self.warn, throughput=self.throughput, goodput=self.goodput_report),
             StepHooks(self._before_step, self._after_step),
             GuardStop(GuardMonitor(spec.guard)),
             StopRequests(stops),
@@ -488,19 +506,23 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.logger = logger = self._open_logger()
         self._stops = stops = StopConditions(self.spec, self.run_dir, self.step)
         previous = {s: signal.signal(s, stops.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        loader = self.batch("train")
+        loader = self._loader = self.batch("train")
         self._t_start = time.perf_counter()
         try:
             self.callbacks("on_train_start", self)
             if self.restored_step:
                 logger.progress.message(f"resumed from step {self.restored_step} ({self.checkpointer.directory})")
-            self.prepare_evaluators()
-            step_fn = self.train_executable()
+            with self.goodput.timing("eval"):
+                self.prepare_evaluators()
+            with self.goodput.timing("compile"):
+                step_fn = self.train_executable()
             self.write_run_card()
             loop = Loop(self, step_fn, self._device_batches(loader), self.components(logger, stops, loader),
                         self.spec.train.steps)
+            self.goodput.start_loop()
             with self._context(), frozen_heap():
                 ending = loop.run()
+            self.goodput.end_loop()
             if ending.finished:
                 self._log_eval()
             return ending
@@ -532,7 +554,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                                          "checkpoint saved. Rerun the same command to resume.")
             raise Preempted()
         self.callbacks("on_train_end", self)
+        report = self.goodput_report()
+        self.logger.log(self.step, report)
         self._summary(time.perf_counter() - self._t_start)
+        self.logger.progress.message(goodput.summary_line(report))
         self.write_run_card(final=True)
 
     def close(self) -> None:

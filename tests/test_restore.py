@@ -34,6 +34,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+def goodput_of(run_dir: Path) -> dict:
+    """The run's last goodput record (logged with the final step)."""
+    return [r for r in read_metrics(run_dir) if "goodput/percent" in r][-1]
+
+
 def ckpt_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
@@ -72,6 +77,18 @@ def test_sigkill_anywhere_then_rerun_gives_the_same_run(tmp_path, reference, fau
         assert any(f"resumed from step {s} " in again.stdout for s in steps), again.stdout
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # leftovers cleaned
     assert_same_run(run_dir, reference)
+    # Goodput: two launches; the steps the killed one logged after its checkpoint are recomputed
+    # (the kill at step 13 lands before that step's metrics are read: 9..12 are lost).
+    final = goodput_of(run_dir)
+    assert final["goodput/launches"] == 2 and "over 2 launches" in again.stdout
+    if fault.startswith("kill_at_step"):
+        assert final["goodput/recomputed_steps"] == 4 and "4 steps recomputed after a crash" in again.stdout
+    assert final["goodput/recomputed_s"] > 0 and 0 < final["goodput/percent"] < 100
+    parts = sum(final[f"goodput/{c}_s"] for c in ("startup", "restore", "compile", "train", "data_wait", "eval",
+                                                   "checkpoint", "other"))
+    assert abs(parts - final["goodput/wall_s"]) < 0.05 * final["goodput/wall_s"]  # the categories cover the wall time
+    ref = goodput_of(reference)
+    assert ref["goodput/launches"] == 1 and ref["goodput/recomputed_steps"] == 0
 
 
 def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, reference) -> None:

@@ -1,0 +1,128 @@
+"""Goodput: where a run's wall time went, per launch and over all its launches.
+
+    startup     launch to the loop, less the parts below (imports, data, initialisation)
+    restore     reading the checkpoint (or the warm start)
+    compile     compiling the train step
+    train       steps whose work was kept: loop time less data waits, evaluation and saves
+    data_wait   the loop waiting for the next batch
+    eval        evaluators (and compiling them)
+    checkpoint  saves, as far as the loop waits for them (asynchronous saves overlap training)
+    recomputed  steps an earlier launch trained after its last checkpoint and lost when it died;
+                this launch trains them again. Counted up to the last step it logged (so to within
+                train.log_every), at the mean time of its logged steps
+
+goodput = (train - recomputed) / wall, summed over launches. The totals of earlier launches travel
+in every checkpoint's metadata, so a resumed run adds to them; a launch's time after its last
+checkpoint is counted through the steps it lost (the rest of a killed launch is not recoverable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+CATEGORIES = ("startup", "restore", "compile", "train", "data_wait", "eval", "checkpoint", "recomputed")
+
+_launch_started: Optional[float] = None
+
+
+def mark_launch(when: Optional[float] = None) -> None:
+    """Note when this launch (a process, or one sweep member) started."""
+    global _launch_started
+    _launch_started = time.time() if when is None else when
+
+
+def launch_started() -> float:
+    return time.time() if _launch_started is None else _launch_started
+
+
+@dataclass
+class Goodput:
+    """This launch's seconds per category, plus the totals carried from earlier launches."""
+
+    started: float = field(default_factory=launch_started)
+    clock: Callable[[], float] = time.time
+    spent: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
+    before: dict[str, float] = field(default_factory=dict)  # earlier launches' totals (and "wall")
+    launches_before: int = 0
+    recomputed_steps: int = 0
+    loop_started: Optional[float] = None
+    loop_ended: Optional[float] = None
+    _marks: list[dict[str, float]] = field(default_factory=list)  # eval and checkpoint seconds at loop start, end
+
+    @contextlib.contextmanager
+    def timing(self, category: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.spent[category] += self.clock() - start
+
+    def carry(self, saved: Optional[Mapping[str, Any]], lost_steps: Sequence[Mapping[str, Any]], restored: int) -> None:
+        """Take the totals a checkpoint carried, and count the logged steps after it that the
+        previous launch trained and lost (`lost_steps`: its metrics records past `restored`)."""
+        if saved:
+            self.before = {k: float(v) for k, v in saved.get("seconds", {}).items()}
+            self.launches_before = int(saved.get("launches", 0))
+        lost = {int(r["step"]): float(r.get("step_time_s", 0.0)) for r in lost_steps
+                if "loss" in r and int(r.get("step", 0)) > restored}
+        # Steps up to the last one it logged (train.log_every apart), at the logged steps' mean time.
+        self.recomputed_steps = max(lost, default=restored) - restored
+        self.spent["recomputed"] = self.recomputed_steps * (sum(lost.values()) / len(lost) if lost else 0.0)
+        if lost:  # the dead launch spent this too, after the checkpoint that carried the totals
+            self.before["wall"] = self.before.get("wall", 0.0) + self.spent["recomputed"]
+            self.before["train"] = self.before.get("train", 0.0) + self.spent["recomputed"]
+        if not saved and lost:  # it died before its first checkpoint: one more launch than any meta says
+            self.launches_before = 1
+
+    def _mark(self) -> dict[str, float]:
+        return {c: self.spent[c] for c in ("eval", "checkpoint")}
+
+    def start_loop(self) -> None:
+        self.loop_started = self.clock()
+        self.spent["startup"] = max(0.0, self.loop_started - self.started - sum(
+            self.spent[c] for c in ("restore", "compile", "eval", "checkpoint")))
+        self._marks = [self._mark()]
+
+    def end_loop(self) -> None:
+        self.loop_ended = self.clock()
+        self._marks = self._marks[:1] + [self._mark()]
+
+    def totals(self, data_wait: float = 0.0) -> dict[str, float]:
+        """Seconds per category over all launches, with "wall" and "other" (what no category covers)."""
+        now = self.clock()
+        this = dict(self.spent)
+        this["data_wait"] = data_wait
+        if self.loop_started is not None:
+            end, at_end = (now, self._mark()) if self.loop_ended is None else (self.loop_ended, self._marks[-1])
+            inside = sum(at_end[c] - self._marks[0][c] for c in at_end)  # eval and saves during the loop
+            this["train"] = max(0.0, end - self.loop_started - data_wait - inside)
+        this["wall"] = now - self.started
+        # (recomputed time was spent by the launch that died, not this one)
+        this["other"] = max(0.0, this["wall"] - sum(this[c] for c in CATEGORIES if c != "recomputed"))
+        return {k: self.before.get(k, 0.0) + this.get(k, 0.0) for k in (*CATEGORIES, "other", "wall")}
+
+    def report(self, totals: Mapping[str, float]) -> dict[str, float]:
+        """The metrics: goodput/percent, goodput/launches, goodput/recomputed_steps, goodput/<category>_s."""
+        useful = totals["train"] - totals["recomputed"]
+        out = {"goodput/percent": 100.0 * useful / totals["wall"] if totals["wall"] > 0 else 0.0,
+               "goodput/launches": float(self.launches_before + 1),
+               "goodput/recomputed_steps": float(self.recomputed_steps)}
+        out.update({f"goodput/{k}_s": v for k, v in totals.items()})
+        return out
+
+    def to_meta(self, totals: Mapping[str, float]) -> dict[str, Any]:
+        """What a checkpoint carries to the next launch."""
+        return {"seconds": dict(totals), "launches": self.launches_before + 1}
+
+
+def summary_line(report: Mapping[str, float]) -> str:
+    parts = ", ".join(f"{c.replace('_', ' ')} {report[f'goodput/{c}_s']:.1f}s" for c in (*CATEGORIES, "other")
+                      if report.get(f"goodput/{c}_s", 0.0) >= 0.05)
+    launches = int(report["goodput/launches"])
+    recomputed = int(report["goodput/recomputed_steps"])
+    redo = f"; {recomputed} steps recomputed after a crash" if recomputed else ""
+    return (f"  goodput {report['goodput/percent']:.1f}% of {report['goodput/wall_s']:.1f}s over {launches} "
+            f"launch{'es' if launches != 1 else ''}{redo}: {parts}")
