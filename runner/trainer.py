@@ -32,18 +32,16 @@ import numpy as np
 import optax
 
 from runner import checkpoint as ckpt
-from runner import debug, faults, runcard, state as st, steps
+from runner import debug, faults, goodput, runcard, state as st, steps
 from runner.callbacks import CallbackList
-from runner.data.loader import BatchLoader
 from runner.data.documents import DocumentMasked
-from runner import goodput
-from runner.goodput import Goodput
-from runner.throughput import Throughput
+from runner.data.loader import BatchLoader
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.distributed import any_process
 from runner.errors import UserError
 from runner.evaluation.base import EvalContext, Evaluator, build_evaluators, prepare_all, run_all
 from runner.exits import HookError, Preempted, TrainingHalted
+from runner.goodput import Goodput
 from runner.guards import GuardMonitor
 from runner.heap import frozen_heap
 from runner.hf import HF_PREFIX
@@ -57,6 +55,7 @@ from runner.optim.optimizers import param_axis_names
 from runner.spec import ExecutionSpec
 from runner.state import TrainState
 from runner.stopping import StopConditions, consume_stop_file
+from runner.throughput import Throughput
 from runner.topology import check_devices, parse_topology
 
 M = TypeVar("M")  # the model type
