@@ -17,6 +17,7 @@ from rich.console import Console
 
 from runner.files import atomic_write
 
+TENSORBOARD_DIR = "tensorboard"
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -106,7 +107,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, *, progress: str, total_steps: int, log_every: int,
                  wandb_mode: str, wandb_project: str, wandb_entity: str | None,
                  wandb_run_id: str | None, run_name: str, config: Mapping[str, Any],
-                 wandb_group: str | None = None) -> None:
+                 wandb_group: str | None = None, tensorboard: bool = False,
+                 resumed_step: int | None = None) -> None:
         self.active = jax.process_index() == 0
         self.path = run_dir / METRICS_FILE
         self.progress = Progress(progress if self.active else "none", total_steps, log_every)
@@ -117,6 +119,17 @@ class MetricsLogger:
                                                wandb_run_id, run_name, config, wandb_group)
             self.wandb_run_id = self.wandb_run.id
         self._file = open(self.path, "a") if self.active else None
+        self.tensorboard = self._start_tensorboard(run_dir, resumed_step) if self.active and tensorboard else None
+
+    @staticmethod
+    def _start_tensorboard(run_dir: Path, resumed_step: int | None) -> Any:
+        """One event writer per launch in <run.dir>/tensorboard (process 0). Each launch purges what
+        an interrupted one logged after the checkpoint it resumes from (all of it when there is
+        none; TensorBoard's own SessionLog START), so each step appears once, as in metrics.jsonl."""
+        from tensorboardX import SummaryWriter
+
+        purge = 0 if resumed_step is None else resumed_step + 1
+        return SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR), purge_step=purge, flush_secs=10)
 
     @staticmethod
     def _start_wandb(run_dir: Path, mode: str, project: str, entity: str | None, run_id: str | None,
@@ -141,6 +154,11 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(dict(metrics), step=step)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, float):
+                    self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()  # as metrics.jsonl: what was logged survives a kill
 
     def log_eval(self, step: int, results: Mapping[str, float], texts: Mapping[str, str]) -> None:
         """An evaluation: its metrics and texts in metrics.jsonl (texts as strings) and wandb (texts
@@ -165,6 +183,9 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
 
 class Timer:

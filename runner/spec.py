@@ -269,6 +269,7 @@ class LoggingSpec(_Frozen):
     project: str = "runner"
     entity: Optional[str] = None
     progress: str = "auto"  # auto | rich | plain | none
+    tensorboard: bool = False  # also write every scalar as TensorBoard events under <run.dir>/tensorboard
 
 
 @dataclass(frozen=True)

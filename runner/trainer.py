@@ -481,7 +481,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             self.run_dir, progress=spec.logging.progress, total_steps=spec.train.steps,
             log_every=spec.train.log_every, wandb_mode=spec.logging.wandb, wandb_project=spec.logging.project,
             wandb_entity=spec.logging.entity, wandb_run_id=self.wandb_run_id, run_name=Path(spec.run.dir).name,
-            config=spec.to_dict(), wandb_group=spec.run.sweep)
+            config=spec.to_dict(), wandb_group=spec.run.sweep, tensorboard=spec.logging.tensorboard,
+            resumed_step=self.restored_step)
         self.wandb_run_id = logger.wandb_run_id
         return logger
 

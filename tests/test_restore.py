@@ -64,7 +64,7 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     ("kill_after_save:16", (8, 16)),  # in the middle of an asynchronous save
 ])
 def test_sigkill_anywhere_then_rerun_gives_the_same_run(tmp_path, reference, fault, resumed_from) -> None:
-    args = [*BASE, "run.dir=run"]
+    args = [*BASE, "run.dir=run", "logging.tensorboard=true"]
     killed = run_runner(args, tmp_path, RUNNER_FAULT=fault)
     assert killed.returncode == -signal.SIGKILL
     again = run_runner(args, tmp_path)
@@ -89,6 +89,24 @@ def test_sigkill_anywhere_then_rerun_gives_the_same_run(tmp_path, reference, fau
     assert abs(parts - final["goodput/wall_s"]) < 0.05 * final["goodput/wall_s"]  # the categories cover the wall time
     ref = goodput_of(reference)
     assert ref["goodput/launches"] == 1 and ref["goodput/recomputed_steps"] == 0
+    assert_tensorboard_matches_metrics(run_dir)
+
+
+def assert_tensorboard_matches_metrics(run_dir: Path) -> None:
+    """TensorBoard's own reader sees every scalar of metrics.jsonl, each step once although two
+    launches wrote event files (the resumed one purges what the killed one logged past its
+    checkpoint)."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"),
+                                                size_guidance={event_accumulator.SCALARS: 0})
+    events.Reload()
+    records = read_metrics(run_dir)
+    scalars = {k for r in records for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert scalars <= set(events.Tags()["scalars"])
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, STEPS + 1))
+    assert [e.value for e in loss] == pytest.approx(list(losses(run_dir).values()), rel=1e-6)
 
 
 def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, reference) -> None:
