@@ -1,3 +1,7 @@
 """runner: a job-spec driven, restorable pretraining runner for JAX language models."""
 
+from runner.storage import configure_endpoint
+
 __version__ = "0.1.0"
+
+configure_endpoint()  # STORAGE_EMULATOR_HOST reaches every storage client, before any is imported

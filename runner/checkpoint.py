@@ -6,8 +6,9 @@ Layout under the run directory::
     checkpoints/<step>/meta/    JSON: step, the resolved spec, data fingerprint, model shapes,
                                 tracker run id, best-metric bookkeeping
 
-Orbax writes each step into a temporary directory and renames it on commit, so an interrupted
-save is never picked up; leftovers are removed when the manager opens. Which steps are saved is
+Orbax writes each step into a temporary directory and renames it on commit (on gs://, where a
+rename is a copy, into the step directory itself, committed by a final commit_success.txt), so
+an interrupted save is never picked up; leftovers are removed when the manager opens. Which steps are saved is
 `SavePolicy`'s call (step interval, time interval, best-metric evaluations, the last step);
 which are kept is orbax's preservation policies (newest K, every P-th, best K).
 
@@ -21,13 +22,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from runner import storage
 from runner.errors import UserError, first_line
 from runner.spec import CheckpointSpec
 
@@ -147,8 +148,8 @@ def _best_value(spec: CheckpointSpec) -> Callable[[dict[str, Any]], float]:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every process calls every method."""
 
-    def __init__(self, directory: Path, spec: CheckpointSpec, policy: Optional[SavePolicy] = None) -> None:
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: Any, spec: CheckpointSpec, policy: Optional[SavePolicy] = None) -> None:
+        self.directory = storage.absolute(directory)
         self.spec = spec
         self.policy = policy or SavePolicy(spec)
         self.saved_step: Optional[int] = None  # the newest step saved or restored by this launch
@@ -274,19 +275,19 @@ class Checkpointer:
         so the resumed run can save those step numbers again."""
         if jax.process_index() == 0:
             aside = self.directory.parent / "damaged_checkpoints"
-            aside.mkdir(parents=True, exist_ok=True)
             for step in steps:
                 target = aside / f"{step}-{int(time.time())}"
-                (self.directory / str(step)).rename(target)
+                storage.move_tree(self.directory / str(step), target)
                 log.warning("moved damaged checkpoint %s to %s", step, target)
         ocp.multihost.sync_global_processes("runner_set_aside_damaged")
         self.manager.reload()
 
 
-def find_state_dir(path: str | Path, key: str = "run.init_from") -> Path:
+def find_state_dir(path: Any, key: str = "run.init_from") -> Any:
     """The `state` item of the newest checkpoint under a run directory, a checkpoints directory
-    or a step directory (for warm starts and mode=eval; `key` names the setting in errors)."""
-    p = Path(path)
+    or a step directory, local or gs:// (for warm starts and mode=eval; `key` names the setting
+    in errors)."""
+    p = storage.absolute(path)
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
     if not (p / STATE).is_dir():
@@ -298,10 +299,10 @@ def find_state_dir(path: str | Path, key: str = "run.init_from") -> Path:
                 "directory, its checkpoints/ directory, or one checkpoints/<step> directory."
             )
         p = p / str(steps[-1])
-    return (p / STATE).absolute()
+    return p / STATE
 
 
-def restore_tree(state_dir: Path, abstract_tree: Any, partial: bool) -> Any:
+def restore_tree(state_dir: Any, abstract_tree: Any, partial: bool) -> Any:
     """Restore `abstract_tree`'s leaves (only those, when `partial`) from an orbax state item."""
     args = ocp.args.PyTreeRestore(item=abstract_tree, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree),
                                   partial_restore=partial)
@@ -317,9 +318,9 @@ def abstract_like(tree: Any) -> Any:
 # ----------------------------------------------------------------------------- named snapshots
 
 
-def save_named(directory: Path, state: Any, meta: dict[str, Any]) -> Path:
+def save_named(directory: Any, state: Any, meta: dict[str, Any]) -> Any:
     """Save a snapshot outside the step rotation (awaited; replaces an older one of that name)."""
-    directory = Path(directory).absolute()
+    directory = storage.absolute(directory)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
@@ -332,9 +333,9 @@ def save_named(directory: Path, state: Any, meta: dict[str, Any]) -> Path:
     return directory
 
 
-def restore_named(directory: Path, abstract_state: Any) -> Restored:
+def restore_named(directory: Any, abstract_state: Any) -> Restored:
     """Restore a snapshot written by `save_named`, or any one step directory."""
-    directory = Path(directory).absolute()
+    directory = storage.absolute(directory)
     if not (directory / STATE).is_dir():
         raise UserError(f"There is no checkpoint at {directory}. Fix: name a snapshot this run saved, or a step "
                         "number of its checkpoints/.")
@@ -346,7 +347,7 @@ def restore_named(directory: Path, abstract_state: Any) -> Restored:
 
 
 def check_compatible(saved: Mapping[str, Any], model_shapes: Mapping[str, Any], fingerprint: str,
-                     allow_data_change: bool, directory: Path, warn: Callable[[str], None] = log.warning) -> None:
+                     allow_data_change: bool, directory: Any, warn: Callable[[str], None] = log.warning) -> None:
     """Refuse to resume a checkpoint (its meta: `saved`) of another model, or of other data unless
     checkpoint.allow_data_change says so."""
     shapes = saved.get("model_shapes")

@@ -18,9 +18,10 @@ from runner.files import atomic_write
 
 CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 CONFIG_NAME = "config"
-# Hydra flags that do not start a run (or start many): the overrides are checked by Hydra itself.
-_HYDRA_FLAGS = ("-m", "--multirun", "-c", "--cfg", "-h", "--help", "--hydra-help", "-i", "--info",
-                "--version", "-sc", "--shell-completion", "-p", "--package", "--resolve")
+# Hydra flags that print something and exit: no run, no job modules, no JAX (shell completion
+# asks on every <TAB>).
+_INFO_FLAGS = ("-c", "--cfg", "-h", "--help", "--hydra-help", "-i", "--info", "--version", "-sc",
+               "--shell-completion", "-p", "--package", "--resolve")
 
 
 def _tpu_present() -> bool:
@@ -38,9 +39,12 @@ def _skip_absent_tpu(argv: Sequence[str]) -> None:
     os.environ["JAX_PLATFORMS"] = "cuda,cpu"
 
 
-def _quiet_libraries() -> None:
+def _quiet_libraries(log_to_stderr: bool = True) -> None:
+    """Libraries' warnings as one line each (not for Hydra's info flags: Hydra prints those
+    through its own handler, and a second one would print every line twice)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if log_to_stderr:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from absl import logging as absl_logging
 
@@ -65,18 +69,38 @@ def _composition_error(err: Exception) -> str:
             "`python -m runner --cfg job` prints every key with its current value.")
 
 
-def precheck(overrides: Sequence[str]) -> Any:
-    """Compose the config once up front so Hydra's own errors (unknown keys, wrong types, unknown
-    group options) become exit-code-2 messages instead of Hydra's exit code 1."""
+def precheck(overrides: Sequence[str], multirun: bool = False) -> None:
+    """Check the command line before anything runs, so every mistake is one exit-code-2
+    paragraph instead of Hydra's exit code 1 or a traceback: Hydra's own errors (unknown keys,
+    wrong types, unknown group options) for a single run; for a sweep, every member's whole
+    spec (values, names, `+new_key`) before any member trains (runner.sweep.member_overrides)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from runner.config import build_spec
+    from runner.sweep import member_overrides
+
+    for override in overrides:
+        if override.startswith("~") and not override.lstrip("~").startswith("hydra"):
+            fail(f"`{override}` deletes a setting, but every runner setting has a default to fall back to, so "
+                 "it would change nothing but the derived run directory. Fix: set the value you want (e.g. "
+                 f"{override.lstrip('~').split('=')[0]}=VALUE), or drop the override to keep the default.")
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base=None):
-            return compose(CONFIG_NAME, overrides=list(overrides))
+        members = member_overrides(overrides) if multirun else [list(overrides)]
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         fail(_composition_error(err))
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        for member in members:
+            where = f"In the sweep member `{' '.join(member)}`: " if multirun and len(members) > 1 else ""
+            try:
+                cfg = compose(CONFIG_NAME, overrides=member)
+                if multirun:
+                    build_spec(cfg, member, sweep_root="runs/sweeps/check")
+            except (HydraException, OmegaConfBaseException, ValueError) as err:
+                fail(where + _composition_error(err))
+            except UserError as err:
+                fail(where + str(err))
 
 
 def write_resolved_spec(spec: Any) -> None:
@@ -84,11 +108,13 @@ def write_resolved_spec(spec: Any) -> None:
     import jax
     from omegaconf import OmegaConf
 
+    from runner import storage
+
     if jax.process_index() != 0:
         return
-    run_dir = Path(spec.run.dir)
+    run_dir = storage.path(spec.run.dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        storage.makedirs(run_dir)
         atomic_write(run_dir / "spec.yaml", OmegaConf.to_yaml(OmegaConf.structured(spec)))
     except OSError as err:
         raise UserError(f"Cannot write the run directory run.dir={spec.run.dir!r}: {err.strerror}. "
@@ -104,10 +130,15 @@ def execute(spec: Any) -> None:
         if code:
             sys.exit(code)
         return
-    from runner import compile_cache, distributed
+    from runner import compile_cache, distributed, storage
 
     from runner.topology import parse_topology
 
+    writes = {"run.dir": spec.mode == "train" or not spec.eval.checkpoint, "eval.checkpoint": spec.mode == "eval",
+              "run.compile_cache": True, "run.init_from": False}  # mode=eval writes into the checkpoint it reads
+    for key, location in (("run.dir", spec.run.dir), ("run.init_from", spec.run.init_from),
+                          ("eval.checkpoint", spec.eval.checkpoint), ("run.compile_cache", spec.run.compile_cache)):
+        storage.check_reachable(location, key, write=writes[key])
     compile_cache.enable(spec.run.compile_cache)
     topology = parse_topology(spec.topology)
     tpu_hosts = topology.num_hosts if topology.platform == "tpu" and _tpu_present() else 0
@@ -159,7 +190,9 @@ def task(cfg: Any) -> Any:
     return run_sweep_member(cfg, overrides)
 
 
-def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
+def run_sweep_member(cfg: Any, overrides: list[str]) -> float:
+    """One member: train it, record it in the sweep's summary, and return its objective
+    (run.objective; NaN for a failed member) for the sweeper to optimize."""
     import gc
     import traceback
 
@@ -169,15 +202,15 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
     from runner.config import build_spec
     from runner.sweep import SweepSummary
 
-    from runner import goodput
+    from runner import goodput, storage
 
     goodput.mark_launch()  # each member is a launch of its own run
     hydra_cfg = HydraConfig.get()
-    summary = SweepSummary(Path(hydra_cfg.sweep.dir))
-    run_dir, status, message = "", "finished", ""
+    summary = SweepSummary(storage.path(storage.remote_of(hydra_cfg.sweep.dir)))
+    run_dir, status, message, objective = "", "finished", "", ""
     try:
         spec = build_spec(cfg, overrides, sweep_root=str(summary.root))
-        run_dir = spec.run.dir
+        run_dir, objective = spec.run.dir, spec.run.objective
         already = _already_finished(spec)
         execute(spec)
         status = "skipped (already finished)" if already else "finished"
@@ -196,13 +229,17 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> dict[str, Any]:
     finally:
         jax.clear_caches()  # compiled programs of this member
         gc.collect()
-    return summary.record(hydra_cfg.job.num, overrides, run_dir, status, message)
+    entry = summary.record(hydra_cfg.job.num, overrides, run_dir, status, message, objective)
+    value = entry.get("objective")
+    return float("nan") if value is None else float(value)
 
 
 def _already_finished(spec: Any) -> bool:
     import json
 
-    path = Path(spec.run.dir) / "metrics.jsonl"
+    from runner import storage
+
+    path = storage.path(spec.run.dir) / "metrics.jsonl"
     if not path.exists():
         return False
     steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
@@ -215,8 +252,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     goodput.mark_launch()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plot"]:  # `runner plot RUN_OR_SWEEP_DIR... --out plot.png` (runner.plot)
+        from runner.plot import main as plot
+
+        sys.exit(plot(argv[1:]))
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    info_only = bool(flags & set(_INFO_FLAGS))
+    multirun = bool(flags & {"-m", "--multirun"}) and not info_only
     _skip_absent_tpu(argv)
-    _quiet_libraries()
+    _quiet_libraries(log_to_stderr=not info_only)
     import hydra
 
     from runner.job import load_job_modules
@@ -224,16 +268,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     from runner.sweep import SweepSummary, sweep_root
 
     register_schema()
-    load_job_modules()
-    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
-    if not flags & set(_HYDRA_FLAGS):
-        precheck(argv)
-    multirun = bool(flags & {"-m", "--multirun"})
+    if not info_only:
+        load_job_modules()
+        precheck([a for a in argv if not a.startswith("-")], multirun)
     summary = None
     if multirun:
         _in_sweep_process = True
+        from runner import storage
+
         summary = SweepSummary(sweep_root(argv))
-        argv = [*argv, f"hydra.sweep.dir={summary.root}", "hydra.sweep.subdir=."]
+        # Hydra keeps its sweep bookkeeping in local files: a gs:// sweep's go to its local mirror
+        argv = [*argv, f"hydra.sweep.dir={storage.local_mirror(summary.root)}", "hydra.sweep.subdir=."]
     sys.argv = [sys.argv[0], *argv]
     hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base=None)(task)()
     if summary is not None and summary.members:

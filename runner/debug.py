@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from runner import storage
 
 SCANNED = ("blocks",)  # stacked layers: one norm per index of the leading axis
 
@@ -38,10 +39,14 @@ def param_and_update_norms(old: Any, new: Any) -> dict[str, jax.Array]:
 
 
 class Profiler:
-    """A jax.profiler trace of steps [start, start + steps) into <run_dir>/profile."""
+    """A jax.profiler trace of steps [start, start + steps) into <run_dir>/profile. The profiler
+    writes local files only: for a gs:// run directory it traces into the local mirror
+    (runner.storage.local_mirror) and uploads the trace when it stops."""
 
-    def __init__(self, run_dir: Path, start: int, steps: int) -> None:
-        self.dir = run_dir / "profile" / f"process_{jax.process_index()}"
+    def __init__(self, run_dir: Any, start: int, steps: int) -> None:
+        where = f"profile/process_{jax.process_index()}"
+        self.dir = storage.local_mirror(run_dir) / where
+        self.upload_to = f"{run_dir}/{where}" if storage.is_remote(run_dir) else None
         self.start, self.end = start, start + steps
         self.active = False
 
@@ -61,6 +66,8 @@ class Profiler:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
             self.active = False
+            if self.upload_to is not None:
+                storage.upload_tree(self.dir, self.upload_to)
 
 
 def histograms(params: Any) -> dict[str, Any]:

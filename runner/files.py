@@ -1,5 +1,6 @@
 """Writing a file so that a reader (or a resumed run after a kill) sees the old version or the new
-one, never half of one: write beside it under a unique temporary name, then rename over it."""
+one, never half of one: locally, write beside it under a unique temporary name, then rename over
+it; on an object store (gs://), one object upload is all or nothing by itself."""
 
 from __future__ import annotations
 
@@ -20,9 +21,17 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "runner"
 
 
-def atomic_write(path: str | Path, data: str | bytes, durable: bool = False) -> Path:
-    """Replace `path` with `data` in one rename. `durable` also fsyncs the data first (for files
-    that are the only record of finished work, not for ones rewritten every launch)."""
+def atomic_write(path: str | os.PathLike[str], data: str | bytes, durable: bool = False) -> Any:
+    """Replace `path` with `data` in one rename (one upload for a URL). `durable` also fsyncs the
+    data first (for files that are the only record of finished work, not for ones rewritten
+    every launch)."""
+    from runner import storage
+
+    if storage.is_remote(path):
+        target = storage.path(path)
+        with target.open("wb") as out:
+            out.write(data.encode() if isinstance(data, str) else data)
+        return target
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
@@ -38,5 +47,5 @@ def atomic_write(path: str | Path, data: str | bytes, durable: bool = False) -> 
     return path
 
 
-def atomic_write_json(path: str | Path, data: Any, durable: bool = False, **dumps: Any) -> Path:
+def atomic_write_json(path: str | os.PathLike[str], data: Any, durable: bool = False, **dumps: Any) -> Any:
     return atomic_write(path, json.dumps(data, **dumps) + "\n", durable=durable)

@@ -63,10 +63,12 @@ class CheckpointParams:
     """A checkpoint's parameters, read one leaf at a time as numpy arrays (orbax partial
     restores on the CPU), the few most recent kept."""
 
-    def __init__(self, state_dir: Path, keep: int = 3) -> None:
+    def __init__(self, state_dir: Any, keep: int = 3) -> None:
         import orbax.checkpoint as ocp
 
-        self.state_dir = Path(state_dir)
+        from runner import storage
+
+        self.state_dir = storage.absolute(state_dir)  # local, or gs://
         self._ocp = ocp
         with ocp.PyTreeCheckpointer() as checkpointer:
             metadata = checkpointer.metadata(self.state_dir)

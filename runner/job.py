@@ -17,6 +17,7 @@ from runner.errors import ConfigError
 from runner.exits import HookError
 from runner.registry import Registry
 from runner.spec import ExecutionSpec
+from runner.storage import path as storage_path
 
 C = TypeVar("C")  # the job's model config type
 
@@ -39,7 +40,7 @@ class RestoreableJob(abc.ABC, Generic[C]):
 
     def __init__(self, spec: ExecutionSpec) -> None:
         self.spec = spec
-        self.run_dir = Path(spec.run.dir)
+        self.run_dir = storage_path(spec.run.dir)  # a local directory or a gs:// URL (runner.storage)
 
     @property
     @abc.abstractmethod

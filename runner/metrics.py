@@ -9,12 +9,12 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
 from rich.console import Console
 
+from runner import storage
 from runner.files import atomic_write
 
 TENSORBOARD_DIR = "tensorboard"
@@ -37,7 +37,7 @@ def _format_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}"
 
 
-def truncate_jsonl(path: Path, last_step: int) -> list[dict[str, Any]]:
+def truncate_jsonl(path: Any, last_step: int) -> list[dict[str, Any]]:
     """Drop records of steps after `last_step`: they belong to an interrupted launch and will be
     recomputed (identically) by the resumed one, so each step appears once. Returns the dropped
     records (goodput counts the steps they lost). Process 0 only: the file is replaced, and a
@@ -56,6 +56,47 @@ def truncate_jsonl(path: Path, last_step: int) -> list[dict[str, Any]]:
             dropped.append(record)
     atomic_write(path, "".join(line + "\n" for line in kept))
     return dropped
+
+
+class JsonLines:
+    """An append-only JSON-lines file with one writer. Locally each line is written and flushed
+    at once. An object store has no appends: the lines are kept in memory and the whole object
+    is rewritten (one atomic upload) at most every `upload_every_s` seconds and whenever `sync()`
+    asks, which the trainer does before each checkpoint save, so the metrics of every step a
+    checkpoint covers are in the bucket before it can commit; a kill loses only steps that a
+    resume recomputes anyway."""
+
+    def __init__(self, path: Any, upload_every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path, self.clock, self.upload_every_s = path, clock, upload_every_s
+        self.remote = storage.is_remote(path)
+        self._file = None if self.remote else open(path, "a")
+        self._lines: list[str] = []
+        if self.remote and path.exists():
+            self._lines = [line for line in path.read_text().splitlines() if line.strip()]
+        self._pending = False
+        self._uploaded = clock()
+
+    def write(self, line: str) -> None:
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+            return
+        self._lines.append(line)
+        self._pending = True
+        if self.clock() - self._uploaded >= self.upload_every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        """Make every line written so far durable where readers look (a no-op locally)."""
+        if self._pending:
+            atomic_write(self.path, "".join(line + "\n" for line in self._lines))
+            self._pending, self._uploaded = False, self.clock()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.sync()
 
 
 class Progress:
@@ -104,7 +145,7 @@ class Progress:
 class MetricsLogger:
     """Writes metrics.jsonl and wandb, and drives the progress line; process 0 only."""
 
-    def __init__(self, run_dir: Path, *, progress: str, total_steps: int, log_every: int,
+    def __init__(self, run_dir: Any, *, progress: str, total_steps: int, log_every: int,
                  wandb_mode: str, wandb_project: str, wandb_entity: str | None,
                  wandb_run_id: str | None, run_name: str, config: Mapping[str, Any],
                  wandb_group: str | None = None, tensorboard: bool = False,
@@ -114,33 +155,38 @@ class MetricsLogger:
         self.progress = Progress(progress if self.active else "none", total_steps, log_every)
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
+        self._exit_code = 0  # how this launch ends (`ending`), for wandb
         if self.active and wandb_mode != "disabled":
             self.wandb_run = self._start_wandb(run_dir, wandb_mode, wandb_project, wandb_entity,
                                                wandb_run_id, run_name, config, wandb_group)
             self.wandb_run_id = self.wandb_run.id
-        self._file = open(self.path, "a") if self.active else None
+        self._file = JsonLines(self.path) if self.active else None
         self.tensorboard = self._start_tensorboard(run_dir, resumed_step) if self.active and tensorboard else None
 
     @staticmethod
-    def _start_tensorboard(run_dir: Path, resumed_step: int | None) -> Any:
+    def _start_tensorboard(run_dir: Any, resumed_step: int | None) -> Any:
         """One event writer per launch in <run.dir>/tensorboard (process 0). Each launch purges what
         an interrupted one logged after the checkpoint it resumes from (all of it when there is
-        none; TensorBoard's own SessionLog START), so each step appears once, as in metrics.jsonl."""
+        none; TensorBoard's own SessionLog START), so each step appears once, as in metrics.jsonl.
+        On gs:// tensorboardX uploads the event file whole (google-cloud-storage), at `sync`."""
         from tensorboardX import SummaryWriter
 
         purge = 0 if resumed_step is None else resumed_step + 1
         return SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR), purge_step=purge, flush_secs=10)
 
     @staticmethod
-    def _start_wandb(run_dir: Path, mode: str, project: str, entity: str | None, run_id: str | None,
+    def _start_wandb(run_dir: Any, mode: str, project: str, entity: str | None, run_id: str | None,
                      name: str, config: Mapping[str, Any], group: str | None) -> Any:
         """One wandb run per run directory; its id is saved with the checkpoints so a resumed run
-        continues the same wandb run. Sweep members are grouped by sweep."""
+        continues the same wandb run. Sweep members are grouped by sweep. wandb writes local files
+        only: for a gs:// run directory they go to its local mirror (runner.storage.local_mirror)."""
         import wandb
 
+        local = storage.local_mirror(run_dir)
+        local.mkdir(parents=True, exist_ok=True)
         return wandb.init(
             project=project, entity=entity, id=run_id, resume="allow", name=name, mode=mode,
-            dir=str(run_dir), config=dict(config), group=group or None,
+            dir=str(local), config=dict(config), group=group or None,
             settings=wandb.Settings(console="off", silent=True),
         )
 
@@ -150,15 +196,22 @@ class MetricsLogger:
         record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v)
                                    for k, v in metrics.items()}}
         assert self._file is not None
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._file.write(json.dumps(record))
         if self.wandb_run is not None:
             self.wandb_run.log(dict(metrics), step=step)
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, float):
                     self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()  # as metrics.jsonl: what was logged survives a kill
+            if not self._file.remote:  # remote: uploaded with metrics.jsonl, at sync()
+                self.tensorboard.flush()  # as metrics.jsonl: what was logged survives a kill
+
+    def sync(self) -> None:
+        """Make everything logged so far durable (before a checkpoint save; see JsonLines)."""
+        if self._file is not None and self._file.remote:
+            self._file.sync()
+            if self.tensorboard is not None:
+                self.tensorboard.flush()
 
     def log_eval(self, step: int, results: Mapping[str, float], texts: Mapping[str, str]) -> None:
         """An evaluation: its metrics and texts in metrics.jsonl (texts as strings) and wandb (texts
@@ -175,13 +228,21 @@ class MetricsLogger:
                           if k.endswith(("/loss", "/acc", "/acc_norm")))
         self.progress.message(f"eval @ step {step}: {shown or f'{len(results)} metrics'}")
 
+    def ending(self, exit_code: int, preempted: bool = False) -> None:
+        """How this launch ends, for wandb: a preempted launch (stopped early to be resumed) is
+        marked preempting, so wandb shows it preempted rather than finished, and every
+        non-zero exit code is recorded as such."""
+        self._exit_code = exit_code
+        if preempted and self.wandb_run is not None:
+            self.wandb_run.mark_preempting()
+
     def close(self) -> None:
         self.progress.close()
         if self._file is not None:
             self._file.close()
             self._file = None
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=self._exit_code)
             self.wandb_run = None
         if self.tensorboard is not None:
             self.tensorboard.close()

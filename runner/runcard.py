@@ -6,7 +6,6 @@ spec) and rewritten at the end with the final metrics.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
@@ -36,7 +35,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def write(run_dir: Path, spec: Any, facts: Mapping[str, Any], final: Mapping[str, float] | None = None) -> Path:
+def write(run_dir: Any, spec: Any, facts: Mapping[str, Any], final: Mapping[str, float] | None = None) -> Any:
     lines = [f"# Run card: {spec.job.name}", "", f"Run directory: `{run_dir}`", ""]
     lines += [f"- {line}" for line in summary_lines(facts)]
     if final:
@@ -72,7 +71,7 @@ def run_facts(params: Any, flops_per_token: Optional[float], mesh: Any, executab
 
 
 def summary(spec: Any, step: int, restored_step: Optional[int], seconds: float, last_metrics: Mapping[str, float],
-            last_eval: Mapping[str, float], checkpoint: Path, metrics_file: Path) -> str:
+            last_eval: Mapping[str, float], checkpoint: Any, metrics_file: Any) -> str:
     """The lines printed when a run finishes."""
     trained = step - (restored_step or 0)
     tokens = trained * spec.train.batch_size * spec.train.seq_len

@@ -289,6 +289,9 @@ class RunSpec(_Frozen):
     init_mode: str = "params"  # params: fresh optimizer at step 0 | full: the whole state
     sweep: str = ""  # the sweep's name (empty: derived from its command line); members only
     compile_cache: str = "default"  # persistent compilation cache: default | none | a directory
+    # What a sweep member returns to the sweeper (Optuna minimizes or maximizes it, as
+    # hydra.sweeper.direction says): a logged metric's last value; "": the first held-out loss.
+    objective: str = ""
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,7 @@ def derive_run_dir(root: str, job_name: str, overrides: list[str] | tuple[str, .
     """A deterministic directory for a job and its overrides (no timestamps), so the same
     command finds the same run again. Settings that may change on resume are left out."""
 
+    root = root.rstrip("/") or root
     kept = sorted(o for o in overrides if _identifies_run(o))
     if not kept:
         return f"{root}/{job_name}/default"

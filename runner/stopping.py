@@ -6,24 +6,29 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
+from runner import storage
 from runner.distributed import any_process
 
 REASONS = ("signal", "time limit", "launch step limit", "stop file")
 
 
 class StopConditions:
-    def __init__(self, spec: Any, run_dir: Path, start_step: int, clock: Callable[[], float] = time.monotonic) -> None:
+    # Looking for a stop file in a bucket is a request: at most this often (locally: every check).
+    REMOTE_STOP_FILE_EVERY_S = 10.0
+
+    def __init__(self, spec: Any, run_dir: Any, start_step: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.start_step = start_step
         self.clock = clock
         self.started = clock()
         self.signal: Optional[int] = None
         stop_file = spec.train.stop_file
-        self.stop_file = (run_dir / stop_file) if stop_file and not Path(stop_file).is_absolute() else (
-            Path(stop_file) if stop_file else None)
+        absolute = stop_file.startswith("/") or storage.is_remote(stop_file)
+        self.stop_file = (storage.path(stop_file) if absolute else run_dir / stop_file) if stop_file else None
+        self._stop_file_every_s = self.REMOTE_STOP_FILE_EVERY_S if storage.is_remote(self.stop_file or "") else 0.0
+        self._stop_file_looked = -float("inf")
         self.longest_step_s = 0.0
 
     def on_signal(self, signum: int, frame: Any) -> None:
@@ -39,8 +44,10 @@ class StopConditions:
             margin = 3 * self.longest_step_s + self.spec.train.time_limit_margin_s
             if self.clock() - self.started + margin >= limit:
                 return f"the time limit (train.time_limit_minutes={self.spec.train.time_limit_minutes})"
-        if self.stop_file is not None and self.stop_file.exists():
-            return f"the stop file {self.stop_file}"  # removed by consume_stop_file once honoured
+        if self.stop_file is not None and self.clock() - self._stop_file_looked >= self._stop_file_every_s:
+            self._stop_file_looked = self.clock()
+            if self.stop_file.exists():
+                return f"the stop file {self.stop_file}"  # removed by consume_stop_file once honoured
         return None
 
     def check(self, step: int, step_seconds: float, processes: int) -> Optional[str]:

@@ -3,16 +3,21 @@
 The sweep's directory is derived from its command line (no timestamps), so rerunning the same
 sweep after a crash finds it again: finished members say so and are skipped, unfinished ones
 resume from their newest checkpoint. Members run one after another in one process.
+
+Each member returns its objective (`run.objective`, see `objective`) to the sweeper, so Optuna
+and other optimizing sweepers work; the summary keeps every member ever run, also when a
+sweeper reruns with new trials under the same member numbers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
+from runner import storage
 from runner.files import atomic_write_json
 
 SUMMARY_FILE = "summary.json"
@@ -26,28 +31,75 @@ def _value(argv: Sequence[str], key: str, default: str) -> str:
     return default
 
 
-def sweep_root(argv: Sequence[str]) -> Path:
-    """`<run.root>/sweeps/<name>`: `run.sweep` if given, else the job and a hash of the command."""
+def sweep_root(argv: Sequence[str]) -> Any:
+    """`<run.root>/sweeps/<name>`: `run.sweep` if given, else the job and a hash of the command
+    (local, or on gs:// with a gs:// run.root)."""
     root = _value(argv, "run.root", "runs")
     name = _value(argv, "run.sweep", "")
     if not name:
         args = sorted(a for a in argv if not a.startswith("-") and not a.startswith("hydra"))
         digest = hashlib.sha256("\n".join(args).encode()).hexdigest()[:10]
         name = f"{_value(argv, 'job', 'gpt_tiny')}-{digest}"
-    return Path(root) / "sweeps" / name
+    return storage.path(root) / "sweeps" / name
 
 
-def last_metrics(run_dir: Path) -> dict[str, float]:
+def member_overrides(overrides: Sequence[str], limit: int = 64) -> list[list[str]]:
+    """Override lists standing for every member of a sweep, so all can be checked before any
+    trains: each combination of the sweep overrides' values (what Hydra's basic sweeper runs)
+    when there are at most `limit`, else each value once with the other sweeps at their first.
+    An `interval(a, b)` (Optuna's) stands by its two ends. Hydra's own overrides (hydra.*,
+    hydra/...) are left out: they configure Hydra, not the run."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    axes: list[list[str]] = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.get_key_element()
+        if key.lstrip("+~").startswith(("hydra.", "hydra/")) or key.lstrip("+~") == "hydra":
+            continue
+        if not override.is_sweep_override():
+            axes.append([override.input_line])
+        elif override.is_discrete_sweep():
+            axes.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            interval = override.value()
+            axes.append([f"{key}={interval.start}", f"{key}={interval.end}"])
+    if math.prod(len(values) for values in axes) <= limit:
+        return [list(member) for member in itertools.product(*axes)]
+    firsts = [values[0] for values in axes]
+    return [firsts[:i] + [value] + firsts[i + 1:] for i, values in enumerate(axes) for value in values]
+
+
+def _records(run_dir: Any) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def objective(run_dir: Any, name: str) -> tuple[str, float]:
+    """(metric, value): the last logged value of `name`, or with `name` empty of the first
+    held-out loss the run logged (eval/<first evaluator>/loss); NaN when it was never logged
+    (the sweeper then counts the member as failed)."""
+    records = _records(run_dir)
+    if not name:
+        name = next((k for r in records for k in r if k.startswith("eval/") and k.endswith("/loss")), "eval/loss")
+    values = [r[name] for r in records if isinstance(r.get(name), (int, float))]
+    return name, float(values[-1]) if values else math.nan
+
+
+def last_metrics(run_dir: Any) -> dict[str, float]:
     """The final train and eval numbers a member logged (empty if it logged none)."""
     merged: dict[str, float] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            merged.update({k: v for k, v in record.items() if k == "step" or k == "loss" or k.endswith("/loss")})
+    for record in _records(run_dir):
+        merged.update({k: v for k, v in record.items() if k == "step" or k == "loss" or k.endswith("/loss")})
     return merged
 
 
@@ -56,24 +108,31 @@ class SweepSummary:
     """Member, overrides, final metrics and status. Each member writes its own record (members
     may run in other processes, e.g. on SLURM) and summary.json is rebuilt from all of them."""
 
-    root: Path
+    root: Any  # an epath.Path: local, or gs://
 
     def record(self, number: int, overrides: Sequence[str], run_dir: str, status: str,
-               message: str = "") -> dict[str, Any]:
+               message: str = "", objective_name: str = "") -> dict[str, Any]:
+        """Write this member's record (one file per member number and overrides: a sweeper's
+        later trials never replace earlier ones) and rebuild summary.json from all records."""
         entry: dict[str, Any] = {"member": number, "overrides": list(overrides), "run_dir": run_dir,
-                                 "status": status, "metrics": last_metrics(Path(run_dir)) if run_dir else {}}
+                                 "status": status, "metrics": last_metrics(storage.path(run_dir)) if run_dir else {}}
+        if run_dir:
+            entry["objective_name"], value = objective(storage.path(run_dir), objective_name)
+            entry["objective"] = None if status == "failed" or math.isnan(value) else value  # JSON has no NaN
         if message:
             entry["message"] = message
         members = self.root / "members"
-        members.mkdir(parents=True, exist_ok=True)
-        _write_json(members / f"{number}.json", entry)
+        storage.makedirs(members)
+        digest = hashlib.sha256("\n".join(sorted(overrides)).encode()).hexdigest()[:8]
+        _write_json(members / f"{number}-{digest}.json", entry)
         _write_json(self.root / SUMMARY_FILE, {"members": self.members})
         return entry
 
     @property
     def members(self) -> list[dict[str, Any]]:
-        files = sorted((self.root / "members").glob("*.json"), key=lambda p: int(p.stem))
-        return [json.loads(p.read_text()) for p in files]
+        files = [p for p in (self.root / "members").glob("*.json")]
+        records = [json.loads(p.read_text()) for p in files]
+        return sorted(records, key=lambda m: (m["member"], m["overrides"]))
 
     @property
     def failed(self) -> list[dict[str, Any]]:
@@ -83,11 +142,13 @@ class SweepSummary:
         members = self.members
         lines = [f"sweep {self.root}: {len(members)} members, {len(self.failed)} failed"]
         for m in members:
-            loss = m["metrics"].get("loss")
+            loss, value = m["metrics"].get("loss"), m.get("objective")
             shown = f"loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
+            if isinstance(value, (int, float)):
+                shown += f" {m['objective_name']} {value:.4f}"
             lines.append(f"  [{m['status']}] {' '.join(m['overrides']) or '(no overrides)'} {shown}".rstrip())
         return "\n".join(lines)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def _write_json(path: Any, data: Any) -> None:
     atomic_write_json(path, data, indent=2)

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from runner import checkpoint as ckpt
-from runner import debug, faults, goodput, runcard, state as st, steps
+from runner import debug, faults, goodput, runcard, state as st, steps, storage
 from runner.callbacks import CallbackList
 from runner.data.documents import DocumentMasked
 from runner.data.loader import BatchLoader
@@ -252,7 +252,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if suffix is not None:
             target = self.run_dir / SNAPSHOTS / suffix
             if jax.process_index() == 0:
-                target.parent.mkdir(parents=True, exist_ok=True)
+                storage.makedirs(target.parent)
             ckpt.save_named(target, st.state_tree(self.state), self.checkpoint_meta())
 
     # run() is RestoreableJob.run: load -> done? -> train -> save -> conclude.
@@ -299,8 +299,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     def abstract_state(self) -> tuple[Any, Any]:
         """(abstract state, its shardings), computed without touching a device."""
-        return st.abstract_state(self._create_state, jax.random.PRNGKey(self.spec.seed), self.param_specs,
-                                 self.mesh, self.logical_axis_rules)
+        params = nn.meta.unbox(self.abstract_variables)["params"]  # the model is traced once, here
+        return st.abstract_state(functools.partial(st.state_around, self.model, self.tx),
+                                 (jax.random.PRNGKey(self.spec.seed), params), self.param_specs, self.mesh,
+                                 self.logical_axis_rules)
 
     @functools.cached_property
     def state_sharding(self) -> Any:
@@ -368,6 +370,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if self.checkpointer.saved_step == self.step or not (last or self.checkpointer.policy.due(self.step)):
             return False
         self.callbacks("on_save_start", self, step=self.step)
+        if self.logger is not None:
+            self.logger.sync()  # what this checkpoint covers is logged before it can commit
         with self.goodput.timing("checkpoint"):
             self.checkpointer.save(self.step, st.state_tree(self.state), self.checkpoint_meta, last=last)
         self.callbacks("on_save_end", self, step=self.step)
@@ -480,7 +484,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         logger = MetricsLogger(
             self.run_dir, progress=spec.logging.progress, total_steps=spec.train.steps,
             log_every=spec.train.log_every, wandb_mode=spec.logging.wandb, wandb_project=spec.logging.project,
-            wandb_entity=spec.logging.entity, wandb_run_id=self.wandb_run_id, run_name=Path(spec.run.dir).name,
+            wandb_entity=spec.logging.entity, wandb_run_id=self.wandb_run_id, run_name=storage.name(spec.run.dir),
             config=spec.to_dict(), wandb_group=spec.run.sweep, tensorboard=spec.logging.tensorboard,
             resumed_step=self.restored_step)
         self.wandb_run_id = logger.wandb_run_id
@@ -543,6 +547,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """After the final save: report, or raise what the exit code says."""
         assert self.logger is not None
         if ending.halt:
+            self.logger.ending(TrainingHalted.exit_code)
             raise TrainingHalted(
                 f"Training stopped at step {self.step}: {ending.halt} (guard.nonfinite={self.spec.guard.nonfinite}). "
                 f"The last good state is saved in {self.checkpointer.directory / str(self.step)}. Fix: lower "
@@ -552,6 +557,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             consume_stop_file(self._stops, ending.stop)
             self.logger.progress.message(f"stopped by {ending.stop} at step {self.step}; "
                                          "checkpoint saved. Rerun the same command to resume.")
+            self.logger.ending(Preempted.exit_code, preempted=True)
             raise Preempted()
         self.callbacks("on_train_end", self)
         report = self.goodput_report()

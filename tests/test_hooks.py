@@ -12,6 +12,7 @@ from flax import struct
 from runner.guards import GuardMonitor, guard_update, initial_guard_state
 from runner.spec import GuardSpec, ModelSpec, scaled_model
 from tests.conftest import start_runner_until, TINY, read_metrics, run_runner
+from tests import wandb_records
 from tests.test_restore import params_of
 
 BASE = [*TINY, "eval.every=2", "checkpoint.every_steps=2", "train.steps=3"]
@@ -132,7 +133,7 @@ def test_step_limit_for_this_launch_then_resume(tmp_path, reference) -> None:
 
 
 def test_stop_file_stops_cleanly_and_resumes(tmp_path, reference) -> None:
-    args = [*RESUMABLE, "run.dir=run", "train.steps=100000"]
+    args = [*RESUMABLE, "run.dir=run", "train.steps=100000", "logging.wandb=offline"]
     proc = start_runner_until(args, tmp_path, tmp_path / "run", 4)
     (tmp_path / "run" / "STOP").touch()
     out, err = proc.communicate(timeout=300)
@@ -141,6 +142,14 @@ def test_stop_file_stops_cleanly_and_resumes(tmp_path, reference) -> None:
     # (the time limit is tested by an injected clock in tests/test_loop.py, not by waiting for it)
     again = run_runner([*args, "train.max_steps_this_launch=2"], tmp_path)
     assert again.returncode == 75 and "resumed from step" in again.stdout, again.stderr[-2000:]
+    last = max(r["step"] for r in read_metrics(tmp_path / "run"))
+    done = run_runner([*args[:-2], f"train.steps={last + 1}", "logging.wandb=offline"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # wandb (its own run files, offline): the stopped launches are preempted with exit code 75, the
+    # last one finished with 0; all three continue one wandb run.
+    launches = wandb_records.launches(tmp_path / "run")
+    assert [(w["preempting"], w["exit_code"]) for w in launches] == [(True, 75), (True, 75), (False, 0)]
+    assert len({w["id"] for w in launches}) == 1
 
 
 def test_overfit_one_batch_profiler_norms_and_run_card(tmp_path) -> None:

@@ -43,7 +43,7 @@ def test_run_dry_run_is_exact_and_masks_secrets() -> None:
               "sudo docker run --name runner --init --privileged --net=host --shm-size=32g "
               '--user "$(id -u):$(id -g)" --volume /mnt/shared:/mnt/shared '
               "--env WANDB_API_KEY=MASKED:40chars --env WANDB_PROJECT=lm "
-              f"{IMAGE} job=gpt_small topology=v4-32 optimizer.lr=3e-4 run.dir=/mnt/shared/runs/gpt_small")
+              f"{IMAGE} job=gpt_small topology=v4-32 optimizer.lr=3e-4 run.compile_cache=/mnt/shared/runs/gpt_small/compile_cache run.dir=/mnt/shared/runs/gpt_small")
     expected = shlex.join(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-a", "--zone=us-central2-b",
                            "--project=proj", "--worker=all", f"--command={remote}"])
     assert out.stdout == expected + "\n"
@@ -52,9 +52,26 @@ def test_run_dry_run_is_exact_and_masks_secrets() -> None:
     check = subprocess.run(["bash", "-n", "-c", remote_of(out.stdout)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     docker_run = shlex.split(remote_of(out.stdout).split(" && ")[-1])
-    assert docker_run[-4:] == ["job=gpt_small", "topology=v4-32", "optimizer.lr=3e-4",
+    assert docker_run[-5:] == ["job=gpt_small", "topology=v4-32", "optimizer.lr=3e-4",
+                               "run.compile_cache=/mnt/shared/runs/gpt_small/compile_cache",
                                "run.dir=/mnt/shared/runs/gpt_small"]
-    assert docker_run[-5] == IMAGE
+    assert docker_run[-6] == IMAGE
+
+
+def test_a_gs_run_dir_needs_no_mount() -> None:
+    """A bucket is reached by every worker through its service account: no mount, no mkdir, and
+    compiled programs cached beside the run, where the next launch's fresh containers find them."""
+    out = launch("run", "pod-a", "--zone", "z", "--image", IMAGE, "--run-dir", "gs://bkt/runs/a", "--no-pull",
+                 "--dry-run", "--", "job=gpt_small")
+    assert out.returncode == 0, out.stderr
+    assert remote_of(out.stdout) == (
+        "{ sudo docker rm runner >/dev/null 2>&1 || true; } && "
+        'sudo docker run --name runner --init --privileged --net=host --shm-size=32g --user "$(id -u):$(id -g)" '
+        f"{IMAGE} job=gpt_small run.compile_cache=gs://bkt/runs/a/compile_cache run.dir=gs://bkt/runs/a")
+    own = launch("run", "pod-a", "--zone", "z", "--image", IMAGE, "--run-dir", "gs://bkt/runs/a", "--dry-run",
+                 "--", "run.compile_cache=gs://bkt/xla")
+    assert "run.compile_cache=gs://bkt/xla run.dir=gs://bkt/runs/a" in remote_of(own.stdout)
+    assert "compile_cache=gs://bkt/runs/a/compile_cache" not in own.stdout
 
 
 def test_shared_mount_and_local_run_dirs() -> None:
@@ -64,7 +81,7 @@ def test_shared_mount_and_local_run_dirs() -> None:
     assert remote_of(shared.stdout) == (
         "mkdir -p /mnt/nfs/runs/a && { docker rm runner >/dev/null 2>&1 || true; } && "
         'docker run --name runner --init --privileged --net=host --shm-size=32g --user "$(id -u):$(id -g)" '
-        f"--volume /mnt/nfs:/mnt/nfs {IMAGE} job=gpt_small run.dir=/mnt/nfs/runs/a")
+        f"--volume /mnt/nfs:/mnt/nfs {IMAGE} job=gpt_small run.compile_cache=/mnt/nfs/runs/a/compile_cache run.dir=/mnt/nfs/runs/a")
 
     refused = launch("run", "pod-a", "--zone", "z", "--image", IMAGE, "--run-dir", "/data/runs/a",
                      "--dry-run", "--", "job=gpt_small")
@@ -79,7 +96,7 @@ def test_shared_mount_and_local_run_dirs() -> None:
         f"mkdir -p /data/runs/a && sudo docker pull --quiet {IMAGE} && "
         "{ sudo docker rm runner >/dev/null 2>&1 || true; } && "
         "sudo docker run --name runner --init --privileged --net=host --shm-size=32g --user root --detach "
-        f"--volume /data/runs/a:/data/runs/a {IMAGE} job=gpt_small run.dir=/data/runs/a")
+        f"--volume /data/runs/a:/data/runs/a {IMAGE} job=gpt_small run.compile_cache=/data/runs/a/compile_cache run.dir=/data/runs/a")
 
 
 def test_stop_sends_sigterm_first() -> None:
@@ -96,8 +113,7 @@ def test_stop_sends_sigterm_first() -> None:
 def test_user_errors_are_one_paragraph_exit_2() -> None:
     cases = {
         ("--run-dir", "runs/a"): "is relative",
-        # runner writes run directories through pathlib: a URL would be a local "gs:" directory.
-        ("--run-dir", "gs://bucket/a"): "a URL would end up as a local directory",
+        ("--run-dir", "s3://bucket/a"): "Google Cloud Storage (gs://) or",
         ("--run-dir", "/m/a", "--shared-mount", "/m", "--env", "WANDB_API_KEY"): "WANDB_API_KEY is not set",
         ("--run-dir", "/m/a", "--shared-mount", "/m", "--env", "WANDB_API_KEY=xyz"): "is not a variable name",
         ("--run-dir", "/m/a", "--shared-mount", "/m", "--", "run.dir=/m/b"): "run.dir is set among the overrides",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+
 from tests.conftest import TINY, run_runner
 
 SWEEP = ["-m", *TINY, "train.steps=6", "checkpoint.every_steps=2", "eval.every=0", "run.sweep=s1"]
@@ -15,20 +17,26 @@ def summary(tmp_path) -> list[dict]:
 
 
 def test_members_run_in_their_own_dirs_and_one_failure_does_not_stop_the_rest(tmp_path) -> None:
-    args = [*SWEEP, "optimizer.lr=1e-2,3e-3", "job.model.n_heads=2,3"]
+    # The second source does not exist: a failure only running the member finds.
+    args = [*SWEEP, "optimizer.lr=1e-2,3e-3", "data.sources=[{path:default}],[{path:nowhere}]"]
     first = run_runner(args, tmp_path)
     assert first.returncode == 1, first.stderr[-3000:]  # the sweep reports its failures
-    members = summary(tmp_path)
+    members = sorted(summary(tmp_path), key=lambda m: "nowhere" in " ".join(m["overrides"]))
     assert [m["status"] for m in members] == ["finished", "finished", "failed", "failed"]
-    assert "job.model.n_heads" in members[2]["message"]
+    assert "no token store" in members[2]["message"] and members[2]["objective"] is None
     dirs = [m["run_dir"] for m in members[:2]]
     assert len(set(dirs)) == 2 and all(d.startswith("runs/sweeps/s1/gpt_tiny/") for d in dirs)
     assert all(m["metrics"]["step"] == 6 and m["metrics"]["loss"] > 0 for m in members[:2])
+    # each member's objective: the last value of the first held-out loss it logged
+    assert all(m["objective_name"] == "eval/stdlib/loss" and m["objective"] == m["metrics"]["eval/stdlib/loss"]
+               for m in members[:2])
 
     again = run_runner(args, tmp_path)  # the same sweep again: finished members are skipped
     assert again.returncode == 1
-    assert [m["status"] for m in summary(tmp_path)][:2] == ["skipped (already finished)"] * 2
-    assert [m["run_dir"] for m in summary(tmp_path)][:2] == dirs
+    again_members = sorted(summary(tmp_path), key=lambda m: "nowhere" in " ".join(m["overrides"]))
+    assert [m["status"] for m in again_members][:2] == ["skipped (already finished)"] * 2
+    assert [m["run_dir"] for m in again_members][:2] == dirs
+    assert len(again_members) == 4  # the same members again: their records replaced, not added
 
 
 def test_a_crashed_sweep_resumes_unfinished_members(tmp_path) -> None:
@@ -48,3 +56,44 @@ def test_a_crashed_sweep_resumes_unfinished_members(tmp_path) -> None:
         assert b"s1" in data
     everything = b"".join(p.read_bytes() for p in (tmp_path / "runs").rglob("*") if p.is_file())
     assert b"secret-key-0123456789" not in everything
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("optimizer.lrr=1e-3,1e-2", "Could not override 'optimizer.lrr'"),  # a typo
+    ("+new_key=1", "runner has no setting of that name"),
+    ("seed=1,abc", "seed=abc"),  # a wrong type in the second member
+    ("optimizer.name=adamw,nope", "there is no optimizer of that name"),
+    ("job.model.n_heads=2,3", "does not divide d_model"),
+    ("~seed", "deletes a setting"),
+])
+def test_every_member_is_checked_before_any_trains(tmp_path, mistake, message) -> None:
+    """A sweep gets the single run's exit-2 paragraph for a mistake in any member, before the first
+    member starts: nothing is trained, no directory is made."""
+    result = run_runner(["-m", *TINY, "train.steps=2", "optimizer.lr=1e-3,1e-2", mistake], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0] and "Fix:" in err[0]
+    assert not (tmp_path / "runs").exists() and "step 1/" not in result.stdout
+
+
+def test_optuna_optimizes_the_run_objective(tmp_path) -> None:
+    """hydra-optuna-sweeper gets each member's run.objective as a float and writes its best trial;
+    a second invocation's trials join the summary next to the first's."""
+    import yaml
+
+    args = ["-m", *TINY, "train.steps=3", "eval.every=0", "run.sweep=opt", "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1", "optimizer.lr=interval(1e-4,1e-2)",
+            "run.objective=eval/stdlib/loss"]
+    first = run_runner(args, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = tmp_path / "runs" / "sweeps" / "opt"
+    best = yaml.safe_load((root / "optimization_results.yaml").read_text())
+    members = json.loads((root / "summary.json").read_text())["members"]
+    assert len(members) == 3 and all(m["status"] == "finished" for m in members)
+    objectives = {m["objective"] for m in members}
+    assert best["best_value"] == min(objectives) and len(objectives) == 3
+    winner = next(m for m in members if m["objective"] == best["best_value"])
+    assert f"optimizer.lr={best['best_params']['optimizer.lr']}" in winner["overrides"]
+    again = run_runner([*args[:-4], "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=2", *args[-2:]], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(json.loads((root / "summary.json").read_text())["members"]) == 5  # every member ever run

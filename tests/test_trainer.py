@@ -77,6 +77,18 @@ def test_state_is_born_sharded_and_float32(trainer) -> None:
     assert int(trainer.state.step) == 0
 
 
+def test_abstract_state_is_the_created_states_shape(trainer) -> None:
+    """abstract_state reuses the model's traced parameter shapes (one model trace fewer per
+    launch); it must describe exactly the state that create_state builds."""
+    created = jax.eval_shape(trainer._create_state, jax.random.PRNGKey(trainer.spec.seed))
+    abstract, _ = trainer.abstract_state()
+    assert jax.tree.structure(created) == jax.tree.structure(abstract)
+    for a, b in zip(jax.tree.leaves(created), jax.tree.leaves(abstract)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    real = [(x.shape, x.dtype) for x in jax.tree.leaves(trainer.init_state())]
+    assert real == [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
+
+
 def test_sharded_init_returns_variables_and_shardings(trainer) -> None:
     variables, sharding = type(trainer).sharded_init(
         trainer.model, jax.random.PRNGKey(0), *trainer.init_args(), mesh=trainer.mesh,

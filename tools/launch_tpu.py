@@ -6,8 +6,7 @@ collective on the others. This builds that one command and sends it to all worke
 `gcloud compute tpus tpu-vm ssh NAME --worker=all`.
 
     python tools/launch_tpu.py run my-v4-32 --zone us-central2-b --image us-docker.pkg.dev/p/r/runner:tpu \\
-        --shared-mount /mnt/shared --run-dir /mnt/shared/runs/gpt_small --env WANDB_API_KEY \\
-        -- job=gpt_small topology=v4-32
+        --run-dir gs://my-bucket/runs/gpt_small --env WANDB_API_KEY -- job=gpt_small topology=v4-32
     python tools/launch_tpu.py stop my-v4-32 --zone us-central2-b     # SIGTERM: save, exit 75
 
 `--dry-run` prints the gcloud commands (secret values masked) and runs nothing.
@@ -69,24 +68,23 @@ def collect_env(names: Sequence[str], environ: dict[str, str]) -> list[EnvValue]
 
 
 def check_run_dir(run_dir: str, shared_mounts: Sequence[str], allow_local: bool) -> None:
-    """Every host must write the same run directory: a filesystem all workers mount."""
+    """Every host must write the same run directory: a bucket (gs://), which every worker reaches
+    with its service account and nothing to mount, or a filesystem all workers mount."""
+    if run_dir.startswith("gs://"):
+        return
     if "://" in run_dir:
-        # runner writes spec.yaml, metrics.jsonl and checkpoints through pathlib: a URL would
-        # become a local directory named "gs:" on every worker.
-        fail(f"--run-dir {run_dir}: runner writes its run directory with local file operations, so a "
-             "URL would end up as a local directory on each worker. Fix: mount the storage at the "
-             "same path on every worker (Filestore/NFS, or the bucket with gcsfuse), and give "
-             "--run-dir under it with --shared-mount MOUNT_POINT.")
+        fail(f"--run-dir {run_dir}: runner writes run directories to Google Cloud Storage (gs://) or to "
+             "a mounted filesystem only. Fix: use gs://BUCKET/PATH, or a path under a --shared-mount.")
     if not run_dir.startswith("/"):
         fail(f"--run-dir {run_dir} is relative: inside the container it would land in the container's "
-             "own runs/ and vanish with it. Fix: give an absolute path under a --shared-mount.")
+             "own runs/ and vanish with it. Fix: give gs://BUCKET/PATH or an absolute path under a --shared-mount.")
     if any(os_path_within(run_dir, mount) for mount in shared_mounts):
         return
     if not allow_local:
         fail(f"--run-dir {run_dir} is a path on each worker's own disk, so every host would keep its "
-             "own checkpoints and a restart would not find them. Fix: give a path under a filesystem "
-             "every worker mounts (Filestore/NFS, gcsfuse) named with --shared-mount MOUNT_POINT, "
-             "or pass --allow-local-run-dir if that is really meant.")
+             "own checkpoints and a restart would not find them. Fix: give a bucket (gs://BUCKET/PATH), or "
+             "a path under a filesystem every worker mounts (Filestore/NFS) named with --shared-mount "
+             "MOUNT_POINT, or pass --allow-local-run-dir if that is really meant.")
 
 
 def os_path_within(path: str, directory: str) -> bool:
@@ -109,13 +107,15 @@ def run_remote(args: argparse.Namespace, env: Sequence[EnvValue], shown: bool) -
     """The shell line each worker runs: pull, clear a finished container of the name, run."""
     q = shlex.quote
     mounts = list(dict.fromkeys(args.shared_mount))
-    if not any(os_path_within(args.run_dir, m) for m in mounts):
+    remote = args.run_dir.startswith("gs://")
+    if not remote and not any(os_path_within(args.run_dir, m) for m in mounts):
         mounts.append(args.run_dir)  # --allow-local-run-dir: each worker's own directory
     steps = []
     if args.registry_auth:
         gcloud = "gcloud" if args.no_sudo else "sudo gcloud"
         steps.append(f"{gcloud} auth configure-docker {q(args.registry_auth)} --quiet")
-    steps.append(f"mkdir -p {q(args.run_dir)}")  # owned by the login user, not by docker's root
+    if not remote:
+        steps.append(f"mkdir -p {q(args.run_dir)}")  # owned by the login user, not by docker's root
     if not args.no_pull:
         steps.append(f"{docker(args)} pull --quiet {q(args.image)}")
     # `docker rm` without -f removes only a stopped container: a running one stays, and the
@@ -129,7 +129,11 @@ def run_remote(args: argparse.Namespace, env: Sequence[EnvValue], shown: bool) -
         run += ["--volume", q(f"{mount}:{mount}")]
     for var in env:
         run += ["--env", q(f"{var.name}={var.shown() if shown else var.value}")]
-    run += [q(args.image), *(q(o) for o in args.overrides), q(f"run.dir={args.run_dir}")]
+    overrides = list(args.overrides)
+    if not any(o.split("=", 1)[0] == "run.compile_cache" for o in overrides):
+        # each container starts empty: keep compiled programs where the next launch finds them
+        overrides.append(f"run.compile_cache={args.run_dir.rstrip('/')}/compile_cache")
+    run += [q(args.image), *(q(o) for o in overrides), q(f"run.dir={args.run_dir}")]
     steps.append(" ".join(run))
     return " && ".join(steps)
 
@@ -158,7 +162,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     run = sub.add_parser("run", help="docker run the image on every worker")
     common(run)
     run.add_argument("--image", required=True, help="an image every worker can pull")
-    run.add_argument("--run-dir", required=True, help="an absolute path under a --shared-mount")
+    run.add_argument("--run-dir", required=True,
+                     help="gs://BUCKET/PATH (nothing to mount), or an absolute path under a --shared-mount")
     run.add_argument("--shared-mount", action="append", default=[],
                      help="a directory every worker mounts (gcsfuse, NFS); bind-mounted into the container")
     run.add_argument("--allow-local-run-dir", action="store_true",
@@ -195,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.action == "run":
         if any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in args.overrides):
             fail("run.dir is set among the overrides. Fix: give it as --run-dir, which is checked to be "
-                 "shared storage and is mounted into the container.")
+                 "shared storage (and mounted into the container when it is a path).")
         if any(o.startswith("-") for o in args.overrides):
             fail(f"{next(o for o in args.overrides if o.startswith('-'))!r} is not a runner override. "
                  "Fix: put this tool's options before `--` and only key=value overrides after it.")

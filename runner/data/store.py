@@ -34,6 +34,7 @@ import numpy as np
 from runner.data.tokenizer import TOKENIZERS, Tokenizer
 from runner.errors import UserError
 from runner.files import atomic_write, cache_root
+from runner.storage import is_remote
 
 FLAT_FORMAT = FORMAT = "runner-flat-v1"
 ZARR3_FORMAT = "runner-zarr3-v1"
@@ -59,10 +60,6 @@ class MissingStoreError(UserError):
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The narrowest little-endian unsigned dtype that holds every token id."""
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
-
-
-def is_remote(location: str | os.PathLike[str]) -> bool:
-    return "://" in os.fspath(location)
 
 
 def normalize_location(location: str | os.PathLike[str]) -> str:

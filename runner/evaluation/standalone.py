@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,7 +29,7 @@ from runner.state import TrainState
 RESULTS_FILE = "eval_results.json"
 
 
-def checkpoint_step_dir(spec: ExecutionSpec) -> Path:
+def checkpoint_step_dir(spec: ExecutionSpec) -> Any:
     """The step directory mode=eval evaluates: the newest complete one under eval.checkpoint,
     else under run.dir."""
     where, key = (spec.eval.checkpoint, "eval.checkpoint") if spec.eval.checkpoint else (spec.run.dir, "run.dir")
@@ -44,7 +43,7 @@ def checkpoint_step_dir(spec: ExecutionSpec) -> Path:
         ) from None
 
 
-def saved_meta(step_dir: Path) -> dict[str, Any]:
+def saved_meta(step_dir: Any) -> dict[str, Any]:
     """The checkpoint's JSON meta item (spec, model shapes, ...); {} if it has none."""
     file = step_dir / META / "metadata"
     try:
@@ -65,7 +64,7 @@ def spec_for_checkpoint(spec: ExecutionSpec) -> ExecutionSpec:
     if own is not None:
         spec = dataclasses.replace(spec, job=own.job, data=own.data, seed=own.seed,
                                    train=dataclasses.replace(spec.train, seq_len=own.train.seq_len))
-    return dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, checkpoint=str(step_dir.absolute())))
+    return dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, checkpoint=str(step_dir)))
 
 
 def evaluate_checkpoint(spec: ExecutionSpec) -> dict[str, Any]:
