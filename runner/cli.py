@@ -69,11 +69,12 @@ def _composition_error(err: Exception) -> str:
             "`python -m runner --cfg job` prints every key with its current value.")
 
 
-def precheck(overrides: Sequence[str], multirun: bool = False) -> None:
+def precheck(overrides: Sequence[str], multirun: bool = False) -> Any:
     """Check the command line before anything runs, so every mistake is one exit-code-2
     paragraph instead of Hydra's exit code 1 or a traceback: Hydra's own errors (unknown keys,
     wrong types, unknown group options) for a single run; for a sweep, every member's whole
-    spec (values, names, `+new_key`) before any member trains (runner.sweep.member_overrides)."""
+    spec (values, names, `+new_key`) before any member trains (runner.sweep.member_overrides).
+    Returns the composed config (of the last member checked)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -90,6 +91,7 @@ def precheck(overrides: Sequence[str], multirun: bool = False) -> None:
         members = member_overrides(overrides) if multirun else [list(overrides)]
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         fail(_composition_error(err))
+    cfg = None
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         for member in members:
             where = f"In the sweep member `{' '.join(member)}`: " if multirun and len(members) > 1 else ""
@@ -101,6 +103,7 @@ def precheck(overrides: Sequence[str], multirun: bool = False) -> None:
                 fail(where + _composition_error(err))
             except UserError as err:
                 fail(where + str(err))
+    return cfg
 
 
 def write_resolved_spec(spec: Any) -> None:

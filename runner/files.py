@@ -10,23 +10,13 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-
-def cache_root() -> Path:
-    """Where runner keeps what it can rebuild: ``$RUNNER_CACHE``, else ``$XDG_CACHE_HOME/runner``,
-    else ``~/.cache/runner``."""
-    if os.environ.get("RUNNER_CACHE"):
-        return Path(os.environ["RUNNER_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "runner"
-    return Path.home() / ".cache" / "runner"
+from runner import storage
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes, durable: bool = False) -> Any:
     """Replace `path` with `data` in one rename (one upload for a URL). `durable` also fsyncs the
     data first (for files that are the only record of finished work, not for ones rewritten
     every launch)."""
-    from runner import storage
-
     if storage.is_remote(path):
         target = storage.path(path)
         with target.open("wb") as out:

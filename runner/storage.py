@@ -30,6 +30,16 @@ EMULATOR = "STORAGE_EMULATOR_HOST"
 MIRROR = "remote"  # local stand-ins for tools that only write local files live under cache_root()/MIRROR
 
 
+def cache_root() -> Path:
+    """Where runner keeps what it can rebuild: ``$RUNNER_CACHE``, else ``$XDG_CACHE_HOME/runner``,
+    else ``~/.cache/runner``."""
+    if os.environ.get("RUNNER_CACHE"):
+        return Path(os.environ["RUNNER_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "runner"
+    return Path.home() / ".cache" / "runner"
+
+
 def configure_endpoint(environ: MutableMapping[str, str] = os.environ) -> None:
     """With STORAGE_EMULATOR_HOST set, point every Google Cloud Storage client at it (values the
     user set win). Must run before gcsfs is imported."""
@@ -117,8 +127,6 @@ def local_mirror(location: str | os.PathLike[str]) -> Path:
     """A local directory standing in for a remote one, for tools that write only local files
     (wandb's offline files, the profiler, Hydra's sweep bookkeeping): under runner's cache, at
     the URL's own path, so `remote_of` can name the URL again. A local location is itself."""
-    from runner.files import cache_root
-
     loc = os.fspath(location)
     if not is_remote(loc):
         return Path(loc)
@@ -128,8 +136,6 @@ def local_mirror(location: str | os.PathLike[str]) -> Path:
 
 def remote_of(directory: str | os.PathLike[str]) -> str:
     """The URL a `local_mirror` directory stands in for; any other path unchanged."""
-    from runner.files import cache_root
-
     here = Path(os.path.abspath(os.fspath(directory)))
     root = Path(os.path.abspath(cache_root() / MIRROR))
     if here.is_relative_to(root) and len(here.relative_to(root).parts) >= 2:

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from runner.files import atomic_write_json, cache_root
+from runner.files import atomic_write_json
+from runner.storage import cache_root
 from runner.topology import CHIPS, Chip, Topology
 
 PEAK_FILE = "cpu_peak.json"
