@@ -148,43 +148,40 @@ def remote_of(directory: str | os.PathLike[str]) -> str:
 
 
 def check_reachable(location: str, key: str, write: bool) -> None:
-    """Fail early, with one paragraph naming `key`, its value and the fix, when a remote
-    location's bucket is missing, there are no credentials, or (with `write`) this account may
-    not write there: before any device work, and before anything is written. (A local run
-    directory is checked when spec.yaml is written into it.)"""
+    """Fail early, with one paragraph naming `key`, its value and the fix, when there are no
+    credentials for a remote location, its bucket is missing, or this account may not write
+    there (with `write`) or list it: before any device work, and before anything else is
+    written. The check uses object permissions only (a probe object written and deleted, or a
+    listing), never bucket metadata, which roles such as storage.objectAdmin do not grant. (A
+    local run directory is checked when spec.yaml is written into it.)"""
     if not is_remote(location):
         return
     if not location.startswith("gs://"):
         raise UserError(f"{key}={location!r}: runner writes run directories locally or to Google Cloud Storage "
                         "(gs://bucket/prefix) only. Fix: use a local path or a gs:// URL.")
     bucket = _strip(location).split("/", 1)[0]
-    fix_login = ("Fix: log in with `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS "
-                 "to a service account key (on a Cloud TPU VM, its service account is used); for an emulator "
-                 f"set {EMULATOR}=http://HOST:PORT.")
     if not os.environ.get(EMULATOR):
-        _check_credentials(key, location, fix_login)
+        _check_credentials(key, location)
     fs = filesystem(location)
     try:
-        fs.info(bucket)
+        if write:
+            probe = f"{_strip(location)}/.runner-write-check-{socket.gethostname()}-{os.getpid()}"
+            fs.pipe_file(probe, b"")
+            fs.rm_file(probe)
+        else:
+            fs.ls(_strip(location))
     except FileNotFoundError:
-        raise UserError(f"{key}={location!r}: the bucket gs://{bucket} does not exist. Fix: create it "
-                        f"(`gcloud storage buckets create gs://{bucket}`) or correct the bucket name.") from None
+        if write:  # an upload into a bucket that exists always succeeds or is denied
+            raise UserError(f"{key}={location!r}: the bucket gs://{bucket} does not exist. Fix: create it "
+                            f"(`gcloud storage buckets create gs://{bucket}`) or correct the bucket name.") from None
     except PermissionError as err:
-        raise _denied(key, location, err) from None
+        raise _denied(key, location, err, "write" if write else "list") from None
     except OSError as err:
         raise UserError(f"{key}={location!r}: cannot reach gs://{bucket} ({first_line(err, 200)}). Fix: check the "
                         f"network and the endpoint ({EMULATOR} for an emulator), then rerun.") from None
-    if not write:
-        return
-    probe = f"{_strip(location)}/.runner-write-check-{socket.gethostname()}-{os.getpid()}"
-    try:
-        fs.pipe_file(probe, b"")
-        fs.rm_file(probe)
-    except (PermissionError, OSError) as err:
-        raise _denied(key, location, err) from None
 
 
-def _check_credentials(key: str, location: str, fix: str) -> None:
+def _check_credentials(key: str, location: str) -> None:
     try:
         import google.auth
         from google.auth.exceptions import DefaultCredentialsError
@@ -194,11 +191,14 @@ def _check_credentials(key: str, location: str, fix: str) -> None:
         google.auth.default()
     except DefaultCredentialsError as err:
         raise UserError(f"{key}={location!r}: no Google Cloud credentials were found ({first_line(err, 200)}). "
-                        + fix) from None
+                        "Fix: log in with `gcloud auth application-default login` or set "
+                        "GOOGLE_APPLICATION_CREDENTIALS to a service account key (on a Cloud TPU VM, its service "
+                        f"account is used); for an emulator set {EMULATOR}=http://HOST:PORT.") from None
 
 
-def _denied(key: str, location: str, err: BaseException) -> UserError:
-    return UserError(f"{key}={location!r}: permission denied ({first_line(err, 200)}). Fix: grant the account "
-                     "runner uses write access to the bucket (roles/storage.objectAdmin), use another bucket, or "
-                     "log in as an account that has it (`gcloud auth application-default login`, or "
+def _denied(key: str, location: str, err: BaseException, action: str) -> UserError:
+    role = "roles/storage.objectAdmin" if action == "write" else "roles/storage.objectViewer"
+    return UserError(f"{key}={location!r}: permission denied to {action} objects there ({first_line(err, 200)}). "
+                     f"Fix: grant the account runner uses {role} on the bucket, use another bucket, or log in as an "
+                     "account that has it (`gcloud auth application-default login`, or "
                      "GOOGLE_APPLICATION_CREDENTIALS=KEY.json).")

@@ -243,21 +243,38 @@ def test_no_credentials_is_one_paragraph(tmp_path) -> None:
 
 
 class _DeniedFS:
-    """A bucket this account may read but not write (what GCS answers with 403)."""
-
-    def info(self, path: str) -> dict[str, Any]:
-        return {"name": path, "type": "directory"}
+    """An account with no object permissions on this bucket: GCS answers 403 to a write and to a
+    listing. (fake-gcs-server has no IAM, so this is a fake of the filesystem layer.)"""
 
     def pipe_file(self, path: str, data: bytes) -> None:
         raise PermissionError("403 does not have storage.objects.create access")
+
+    def ls(self, path: str) -> list[str]:
+        raise PermissionError("403 does not have storage.objects.list access")
+
+
+class _ObjectAdminFS(_DeniedFS):
+    """storage.objectAdmin: every object permission, none on the bucket's own metadata."""
+
+    def info(self, path: str) -> dict[str, Any]:
+        raise PermissionError("403 does not have storage.buckets.get access")
+
+    def pipe_file(self, path: str, data: bytes) -> None:
+        self.written = path
+
+    def rm_file(self, path: str) -> None:
+        assert path == self.written
 
 
 def test_permission_denied_is_one_paragraph(monkeypatch, gcs) -> None:
     from runner.errors import UserError
 
     monkeypatch.setattr(storage, "filesystem", lambda location: _DeniedFS())
-    with pytest.raises(UserError) as err:
-        storage.check_reachable("gs://theirs/run", "run.dir", write=True)
-    assert "permission denied" in str(err.value) and "gs://theirs/run" in str(err.value)
-    assert "roles/storage.objectAdmin" in str(err.value)
-    storage.check_reachable("gs://theirs/run", "run.init_from", write=False)  # reading is allowed
+    for write, action, role in ((True, "write", "objectAdmin"), (False, "list", "objectViewer")):
+        with pytest.raises(UserError) as err:
+            storage.check_reachable("gs://theirs/run", "run.dir", write=write)
+        assert f"permission denied to {action} objects" in str(err.value) and "gs://theirs/run" in str(err.value)
+        assert f"roles/storage.{role}" in str(err.value)
+    # object permissions are enough: bucket metadata (storage.buckets.get) is never asked for
+    monkeypatch.setattr(storage, "filesystem", lambda location: _ObjectAdminFS())
+    storage.check_reachable("gs://ours/run", "run.dir", write=True)
