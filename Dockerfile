@@ -39,7 +39,7 @@ extra = {'tpu': p['optional-dependencies']['tpu'], 'cpu': [], 'cuda': [jax.repla
 print('\n'.join(p['dependencies'] + extra[sys.argv[1]]))" "$JAX_FLAVOUR" > /tmp/requirements.txt; \
     /opt/venv/bin/pip install -r /tmp/requirements.txt; \
     rm -f /tmp/ca-bundle.pem /tmp/requirements.txt
-COPY README.md ./
+COPY README.md setup.py _runner_lm_eval.py runner-lm-eval.pth ./
 COPY runner/ runner/
 COPY jobs/ jobs/
 RUN --mount=type=secret,id=ca \

@@ -30,7 +30,7 @@ def _tpu_present() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"))
 
 
-def _skip_absent_tpu(argv: Sequence[str]) -> None:
+def skip_absent_tpu(argv: Sequence[str]) -> None:
     """With libtpu installed (the `tpu` extra), JAX probes for a TPU on every start and prints a
     screen of warnings where there is none. Without TPU device nodes, and unless the user chose
     platforms or asked to compile for a TPU, use the GPU if present, else the CPU."""
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
     info_only = bool(flags & set(_INFO_FLAGS))
     multirun = bool(flags & {"-m", "--multirun"}) and not info_only
-    _skip_absent_tpu(argv)
+    skip_absent_tpu(argv)
     _quiet_libraries(log_to_stderr=not info_only)
     import hydra
 

@@ -177,6 +177,10 @@ class EvaluatorSpec(_Frozen):
     every: Optional[int] = None  # steps between runs; None: eval.every; 0: at start and end only
     rows: Optional[int] = None  # examples evaluated (windows per source, questions); None: eval.rows
     path: str = ""  # its data file (multiple_choice: a JSONL of context/choices/gold)
+    delimiter: str = " "  # multiple_choice: between the context and each choice (lm-eval's target_delimiter)
+    tasks: tuple[str, ...] = ()  # lm_eval: lm-evaluation-harness task (or group) names
+    include_path: str = ""  # lm_eval: a directory of your own task YAMLs
+    num_fewshot: Optional[int] = None  # lm_eval: examples in each prompt; None: each task's own default
     prompts: tuple[str, ...] = ()  # generate: the prompts to continue
     max_new_tokens: int = 32  # generate: tokens sampled per prompt
     temperature: float = 0.0  # generate: 0 is greedy, > 0 samples

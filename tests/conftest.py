@@ -55,6 +55,21 @@ def start_runner_until(args: list[str], tmp_path: Path, run_dir: Path, lines: in
     return proc
 
 
+def mc_task_yaml(name: str, data: Path, dataset: str = "json") -> str:
+    """A local lm-evaluation-harness multiple-choice task over a JSONL of {context, choices, gold}
+    (read offline by `datasets`' json loader)."""
+    return f"""task: {name}
+dataset_path: {dataset}
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list: [{{metric: acc}}, {{metric: acc_norm}}]
+"""
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

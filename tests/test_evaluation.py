@@ -80,8 +80,8 @@ def test_evaluator_entries_are_names_or_mappings_with_settings() -> None:
 
 
 @pytest.mark.parametrize("value, key, needle", [
-    ("[nonesuch]", "eval.evaluators[0].name", "generate, heldout, multiple_choice"),
-    ("['no_such_pkg.mod:Eval']", "eval.evaluators[0].name", "generate, heldout, multiple_choice"),
+    ("[nonesuch]", "eval.evaluators[0].name", "generate, heldout, lm_eval, multiple_choice"),
+    ("['no_such_pkg.mod:Eval']", "eval.evaluators[0].name", "generate, heldout, lm_eval, multiple_choice"),
     ("[{name:heldout,evry:3}]", "eval.evaluators[0].evry", "every"),
     ("[{name:heldout,every:soon}]", "eval.evaluators[0].every", "soon"),
     ("[{every:3}]", "eval.evaluators[0]", "name"),
@@ -109,6 +109,19 @@ def test_malformed_jsonl_line_is_named_by_file_and_line(tmp_path: Path, line: st
         spec_for(f"eval.evaluators=[{{name:multiple_choice,path:'{path}'}}]")
     assert f"{path}:3" in str(info.value) and needle in str(info.value)
     assert info.value.key == "eval.evaluators[0].path"
+
+
+def test_choices_that_start_with_the_delimiter_are_refused(tmp_path: Path) -> None:
+    # The old format put lm-eval's delimiter inside the choices; with the delimiter added too they
+    # would be scored after two spaces. delimiter='' scores them as written.
+    path = tmp_path / "mc.jsonl"
+    path.write_text('{"context": "He", "choices": [" ran.", " sat."], "gold": 0}\n')
+    with pytest.raises(ConfigError) as info:
+        spec_for(f"eval.evaluators=[{{name:multiple_choice,path:'{path}'}}]")
+    assert info.value.key == "eval.evaluators[0].path" and "after two" in str(info.value)
+    assert "delimiter=''" in str(info.value)
+    spec = spec_for(f"eval.evaluators=[{{name:multiple_choice,path:'{path}',delimiter:''}}]")
+    assert spec.eval.evaluators[0].delimiter == ""
 
 
 def test_keep_best_needs_a_metric() -> None:
@@ -207,7 +220,7 @@ def test_multiple_choice_sums_and_acc_norm_by_hand(trainer, tmp_path: Path) -> N
     path.write_text('{"context": "a", "choices": ["b", "ccc"], "gold": 1}\n'
                     '{"context": "a", "choices": ["b", "d"], "gold": 0}\n')
     spec = dataclasses.replace(trainer.spec, eval=dataclasses.replace(
-        trainer.spec.eval, evaluators=(EvaluatorSpec(name="multiple_choice", path=str(path)),)))
+        trainer.spec.eval, evaluators=(EvaluatorSpec(name="multiple_choice", path=str(path), delimiter=""),)))
     evaluator = MultipleChoice(spec, spec.eval.evaluators[0])
     got = evaluator.evaluate(ctx, state)
     np.testing.assert_allclose(evaluator.loglikelihoods[0], [math.log(0.3), math.log(0.2 * 0.6 * 0.6)], rtol=1e-5)
@@ -289,7 +302,7 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward() -> None:
 
 
 MC_LINES = [
-    {"context": "import os\nimport ", "choices": ["sys", "zzqx"], "gold": 0},
+    {"context": "import os\nimport", "choices": ["sys", "zzqx"], "gold": 0},
     {"context": "def main(", "choices": ["):", "]]]"], "gold": 0},
     {"context": "", "choices": ["the", "xq"], "gold": 1},
 ]

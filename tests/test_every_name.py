@@ -24,7 +24,7 @@ from runner.data.strategies import DATASET_STRATEGIES
 from runner.evaluation.base import EVALUATORS
 from runner.models import MODEL_FAMILIES
 from runner.optim import OPTIMIZERS, SCHEDULES
-from tests.conftest import ROOT, read_metrics, run_runner
+from tests.conftest import ROOT, mc_task_yaml, read_metrics, run_runner
 from tests.test_restore import params_of
 
 STEPS = 4
@@ -55,9 +55,8 @@ REQUIRED: dict[tuple[str, str], list[str] | str] = {
         "data.stages=[{until_step:2,sources:[{path:default}]},{sources:[{path:default}]}]"],
     ("eval.evaluators", "multiple_choice"): "{name:multiple_choice,path:mc.jsonl}",
     ("eval.evaluators", "generate"): "{name:generate,prompts:['def '],max_new_tokens:4}",
+    ("eval.evaluators", "lm_eval"): "{name:lm_eval,tasks:[mc_task],include_path:tasks}",
 }
-
-
 def sweeps(key: str) -> list[list[str]]:
     """The sweeps that run every name of one registry: names that need the same extra overrides
     share one sweep (usually all of them)."""
@@ -73,10 +72,14 @@ def sweeps(key: str) -> list[list[str]]:
 def run_sweep(tmp_path: Path, key: str, devices: int) -> list[dict]:
     """Every name of `key`'s registry, trained for STEPS steps; the sweep's members."""
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in MC_QUESTIONS))
+    (tmp_path / "tasks").mkdir(exist_ok=True)
+    (tmp_path / "tasks" / "mc_task.yaml").write_text(mc_task_yaml("mc_task", tmp_path / "mc.jsonl"))
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     members: list[dict] = []
     for i, chosen in enumerate(sweeps(key)):
         sweep = f"{key.replace('.', '_')}_{i}"
-        result = run_runner(["-m", *SMALL, *MESHES[devices], *chosen, f"run.sweep={sweep}"], tmp_path, devices=devices)
+        result = run_runner(["-m", *SMALL, *MESHES[devices], *chosen, f"run.sweep={sweep}"], tmp_path, devices=devices,
+                            **offline)
         summary = json.loads((tmp_path / "runs" / "sweeps" / sweep / "summary.json").read_text())["members"]
         failed = [m for m in summary if m["status"] != "finished"]
         assert result.returncode == 0 and not failed, (failed, result.stderr[-3000:])

@@ -97,7 +97,8 @@ def test_dockerfile_pyproject_and_tool_agree() -> None:
     assert text.rstrip().endswith('ENTRYPOINT ["python", "-m", "runner"]')
     # What the image needs is not excluded from the build context.
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
-    assert not ignored & {"conf", "jobs", "runner", "pyproject.toml", "README.md"}
+    assert not ignored & {"conf", "jobs", "runner", "pyproject.toml", "README.md", "setup.py", "_runner_lm_eval.py",
+                          "runner-lm-eval.pth"}
 
 
 # ----------------------------------------------------------------------------- the real build

@@ -1,14 +1,17 @@
-"""Multiple-choice accuracy by log-likelihood, as lm-evaluation-harness scores HellaSwag.
+"""Multiple-choice accuracy by log-likelihood, exactly as lm-evaluation-harness scores HellaSwag.
 
 The data is a local JSONL file (the evaluator's `path`), one question per line:
-``{"context": "A man is sitting on a roof. He", "choices": [" starts pulling up roofing.", ...],
-"gold": 0}``. Each choice is scored by the sum of the log-probabilities of its tokens given
-the context (the context is cut from the left if context + choice exceed train.seq_len).
-`acc` is how often the highest sum is the gold choice; `acc_norm` divides each sum by the
-choice's length in UTF-8 bytes first (lm-eval divides by its length in characters, the same
-for ASCII), which removes the bias towards short choices. The first `rows` questions of the
-file are used, in file order: the same ones every time. Metrics are `<label>/acc`,
-`<label>/acc_norm` and `<label>/questions`, the label defaulting to the file's stem.
+``{"context": "A man is sitting on a roof. He", "choices": ["starts pulling up roofing.", ...],
+"gold": 0}``. Each choice is scored as lm-eval scores a `multiple_choice` task: the sum of the
+log-probabilities of the tokens of `delimiter + choice` given the context (`delimiter` is an
+evaluator setting, lm-eval's `target_delimiter`, default one space; write the choices without
+it), tokenized by lm-eval's rules (runner.evaluation.scoring.encode_pair), the context cut from
+the left if both exceed train.seq_len. `acc` is how often the highest sum is the gold choice;
+`acc_norm` divides each sum by the choice's length in characters, without the delimiter, as
+lm-eval does, which removes the bias towards short choices. A choice that itself starts with
+the (whitespace) delimiter is refused: it would be scored after two spaces. The first `rows`
+questions of the file are used, in file order: the same ones every time. Metrics are
+`<label>/acc`, `<label>/acc_norm` and `<label>/questions`, the label defaulting to the file's stem.
 """
 
 from __future__ import annotations
@@ -17,13 +20,11 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from runner.errors import ConfigError, UserError
-from runner.evaluation.base import (EVALUATORS, EvaluatorBase, global_batch, process_batches, replicated,
-                                    text_tokenizer, to_global)
+from runner.errors import ConfigError
+from runner.evaluation.base import EVALUATORS, EvaluatorBase, text_tokenizer
+from runner.evaluation.scoring import Scorer, encode_pair
 from runner.spec import EvaluatorSpec, ExecutionSpec
 
 Question = dict[str, Any]  # {"context": str, "choices": [str, ...], "gold": int}
@@ -75,34 +76,26 @@ def _question_problem(q: Any) -> str:
     return ""
 
 
-def choice_rows(context: list[int], choice: list[int], seq_len: int, eod_id: int) -> dict[str, np.ndarray]:
-    """One scored row: inputs, targets and a mask over the choice's tokens (right-padded)."""
-    if not context:  # lm-eval's rule: an empty context is the end-of-document token
-        context = [eod_id]
-    whole = (list(context) + list(choice))[-(seq_len + 1):]
-    x, y = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32)
-    mask = np.zeros(seq_len, np.float32)
-    n = len(whole) - 1
-    x[:n], y[:n] = whole[:-1], whole[1:]
-    mask[n - len(choice): n] = 1.0
-    return {"x": x, "y": y, "mask": mask}
-
-
-def choice_scores(state: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(sum of log p(target) over each row's masked tokens, the row ids), per row."""
-    logits = state.apply_fn({"params": state.params}, batch["x"], deterministic=True)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    target = jnp.take_along_axis(logp, batch["y"][..., None], axis=-1)[..., 0]
-    return jnp.sum(target * batch["mask"], axis=-1), batch["id"]
+def delimiter_problem(questions: Sequence[Question], delimiter: str) -> str:
+    """Why the choices and the delimiter do not go together ('' if they do)."""
+    if not delimiter or delimiter.strip():
+        return ""
+    for n, q in enumerate(questions, start=1):
+        for choice in q["choices"]:
+            if choice[:1].isspace():
+                return (f"choice {choice!r} of question {n} starts with whitespace, and the delimiter "
+                        f"{delimiter!r} is put before every choice")
+    return ""
 
 
 def accuracies(loglikelihoods: Sequence[Sequence[float]], choices: Sequence[Sequence[str]],
                gold: Sequence[int]) -> tuple[float, float]:
-    """(acc, acc_norm) as lm-eval computes them; ties go to the first choice (argmax)."""
+    """(acc, acc_norm) as lm-eval computes them (acc_norm: per character of the choice); ties go
+    to the first choice (argmax)."""
     acc = norm = 0.0
     for lls, texts, g in zip(loglikelihoods, choices, gold):
         lls = np.asarray(lls, np.float64)
-        lengths = np.array([len(t.encode("utf-8")) for t in texts], np.float64)
+        lengths = np.array([len(t) for t in texts], np.float64)
         acc += float(np.argmax(lls) == g)
         norm += float(np.argmax(lls / lengths) == g)
     n = max(len(gold), 1)
@@ -118,12 +111,16 @@ class MultipleChoice(EvaluatorBase):
         self.label = self.settings.label or Path(self.settings.path).stem or "multiple_choice"
         self._questions: list[Question] | None = None
         self._batches: list[dict[str, np.ndarray]] = []
-        self._fn: Any = None
+        self._scorer: Scorer | None = None
         self.loglikelihoods: list[np.ndarray] = []
 
     @classmethod
     def check(cls, spec: ExecutionSpec, settings: EvaluatorSpec, key: str) -> None:
-        read_questions(settings.path, f"{key}.path")
+        problem = delimiter_problem(read_questions(settings.path, f"{key}.path"), settings.delimiter)
+        if problem:
+            raise ConfigError(f"{key}.path", settings.path, problem + ", so it would be scored after two.",
+                              f"write the choices without the leading space (as lm-eval's doc_to_choice gives them), "
+                              f"or set {key}.delimiter='' to score them as written.")
 
     def prepare(self, ctx: Any) -> None:
         if self._questions is not None:
@@ -131,32 +128,16 @@ class MultipleChoice(EvaluatorBase):
         key = self.config_key
         questions = read_questions(self.settings.path, f"{key}.path")[: self.rows]
         tokenizer = text_tokenizer(ctx, key)
-        seq_len = self.spec.train.seq_len
-        rows = []
-        for n, q in enumerate(questions):
-            context = [int(t) for t in tokenizer.encode(q["context"])]
-            for j, choice in enumerate(q["choices"]):
-                ids = [int(t) for t in tokenizer.encode(choice)]
-                if len(ids) > seq_len:
-                    raise UserError(
-                        f"Choice {j} of question {n + 1} in {self.settings.path} ({key}.path) is {len(ids)} tokens, "
-                        f"longer than train.seq_len={seq_len}, so it cannot be scored. Fix: shorten it, or "
-                        "raise train.seq_len."
-                    )
-                rows.append({**choice_rows(context, ids, seq_len, tokenizer.eod_id), "id": np.int32(len(rows))})
+        pairs = [encode_pair(tokenizer.encode, q["context"], self.settings.delimiter + choice, tokenizer.eod_id)
+                 for q in questions for choice in q["choices"]]
+        self._scorer = Scorer(ctx, self.spec.eval.batch_size, where=f"the questions of {self.settings.path} ({key})")
+        self._batches = self._scorer.batches(pairs)
         self._questions = questions
-        self._batches = process_batches(rows, global_batch(len(rows), ctx, self.spec.eval.batch_size))
 
     def evaluate(self, ctx: Any, state: Any) -> Mapping[str, float]:
         self.prepare(ctx)
-        assert self._questions is not None
-        if self._fn is None:
-            self._fn = jax.jit(choice_scores, out_shardings=replicated(ctx))
-        scores = np.zeros(sum(len(q["choices"]) for q in self._questions), np.float64)
-        for local in self._batches:
-            sums, ids = jax.device_get(self._fn(state, to_global(ctx, local)))
-            keep = ids >= 0
-            scores[ids[keep]] = sums[keep]
+        assert self._questions is not None and self._scorer is not None
+        scores, _ = self._scorer.score(state, self._batches, sum(len(q["choices"]) for q in self._questions))
         lls, start = [], 0
         for q in self._questions:
             lls.append(scores[start: start + len(q["choices"])])

@@ -67,12 +67,10 @@ def spec_for_checkpoint(spec: ExecutionSpec) -> ExecutionSpec:
     return dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, checkpoint=str(step_dir)))
 
 
-def evaluate_checkpoint(spec: ExecutionSpec) -> dict[str, Any]:
-    """mode=eval: restore the parameters (and step) of the checkpoint eval.checkpoint names (else
-    the newest under run.dir) into the job's model, run every configured evaluator once, and write
-    eval_results.json into that step directory. Nothing is reused: a rerun recomputes and replaces
-    the file."""
-    spec = spec_for_checkpoint(spec)
+def restore_for_eval(spec: ExecutionSpec) -> tuple[Any, TrainState, Any]:
+    """(job, state, step directory): the job built for the checkpoint eval.checkpoint names (else
+    the newest under run.dir) with only its parameters, step, rng and guard restored (no
+    optimizer state is read or built). `spec` should come from `spec_for_checkpoint`."""
     step_dir = checkpoint_step_dir(spec)
     job = JOBS.get(spec.job.trainer)(spec)
     abstract, sharding = job.abstract_state()
@@ -88,12 +86,22 @@ def evaluate_checkpoint(spec: ExecutionSpec) -> dict[str, Any]:
     job.state_sharding = sharding.replace(opt_state=())
     state = TrainState(step=tree["step"], apply_fn=job.model.apply, params=tree["params"], tx=job.tx,
                        opt_state=(), rng=tree["rng"], guard=tree["guard"])
+    return job, state, step_dir
+
+
+def evaluate_checkpoint(spec: ExecutionSpec) -> dict[str, Any]:
+    """mode=eval: restore the parameters (and step) of the checkpoint eval.checkpoint names (else
+    the newest under run.dir) into the job's model, run every configured evaluator once, and write
+    eval_results.json into that step directory. Nothing is reused: a rerun recomputes and replaces
+    the file."""
+    spec = spec_for_checkpoint(spec)
+    job, state, step_dir = restore_for_eval(spec)
     context = job.eval_context()
     t0 = time.perf_counter()
     with job._context():
         prepare_all(job.evaluators, context)
         metrics, texts = run_all(job.evaluators, context, state)
-    step = int(tree["step"])
+    step = int(state.step)
     record = {
         "step": step,
         "checkpoint": str(step_dir),
