@@ -27,8 +27,9 @@ from runner.models.gpt import GPT, GPTConfig
 from runner.models.llama import Llama, LlamaConfig
 from tests.conftest import ROOT, read_metrics, run_runner, runner_env
 
-HERE_IMPLS = ["xla", "splash_interpret"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
-TOL = 2e-5  # float32 (summation order only); cuDNN runs in bfloat16 (see test_cudnn_agrees_in_bfloat16)
+HERE_IMPLS = ["xla", "splash_interpret"]  # in float32
+GPU = jax.default_backend() == "gpu"
+TOL = 2e-5  # float32 (summation order only); cuDNN has bfloat16 kernels only (test_cudnn_agrees_in_bfloat16)
 EOD = 7
 
 
@@ -67,14 +68,17 @@ def test_every_implementation_agrees_with_xla_with_segments(impl: str, kv_heads:
     np.testing.assert_allclose(attention.attend(impl, q, k, v, None), unsegmented, atol=TOL)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
-def test_cudnn_agrees_in_bfloat16() -> None:
-    q, k, v, segments = qkv_and_segments(dtype=jnp.bfloat16)
+@pytest.mark.skipif(not GPU, reason="cuDNN attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_cudnn_agrees_in_bfloat16(kv_heads: int) -> None:
+    q, k, v, segments = qkv_and_segments(kv_heads=kv_heads, dtype=jnp.bfloat16)
     want, want_grads = outputs_and_grads("xla", q, k, v, segments)
     got, got_grads = outputs_and_grads("cudnn", q, k, v, segments)
-    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2)
+    # bfloat16 keeps 8 significant bits: a few units in the last place (1/64 of a value near 12)
+    # apart is the summation order, not a bug. Seen on an H100: 2 of 8192 gradients one unit apart.
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2, rtol=2e-2)
     for g, w in zip(got_grads, want_grads):
-        np.testing.assert_allclose(np.float32(g), np.float32(w), atol=5e-2)
+        np.testing.assert_allclose(np.float32(g), np.float32(w), atol=5e-2, rtol=2e-2)
 
 
 SHARDED = """
@@ -175,21 +179,24 @@ def row_losses(model, params, tokens: np.ndarray, **inputs) -> jax.Array:
 
 
 MODELS = {
-    "gpt": lambda impl: GPT(GPTConfig(vocab_size=16, context_length=128, d_model=32, n_layers=2, n_heads=2,
-                                      attention=impl)),
-    "llama": lambda impl: Llama(LlamaConfig(vocab_size=16, context_length=128, d_model=32, n_layers=2, n_heads=4,
-                                            n_kv_heads=2, head_dim=16, d_ff=64, attention=impl)),
+    "gpt": lambda impl, dtype="float32": GPT(GPTConfig(vocab_size=16, context_length=128, d_model=32, n_layers=2,
+                                                       n_heads=2, attention=impl, compute_dtype=dtype)),
+    "llama": lambda impl, dtype="float32": Llama(LlamaConfig(vocab_size=16, context_length=128, d_model=32, n_layers=2,
+                                                             n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+                                                             attention=impl, compute_dtype=dtype)),
 }
+# (implementation, compute dtype, relative tolerance of a row's summed loss): cuDNN in bfloat16.
+PACKED = [(i, "float32", 1e-3) for i in HERE_IMPLS] + ([("cudnn", "bfloat16", 2e-2)] if GPU else [])
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
-@pytest.mark.parametrize("impl", HERE_IMPLS)
-def test_packed_row_loss_is_the_sum_of_its_documents_losses(family: str, impl: str) -> None:
+@pytest.mark.parametrize("impl, dtype, tol", PACKED)
+def test_packed_row_loss_is_the_sum_of_its_documents_losses(family: str, impl: str, dtype: str, tol: float) -> None:
     rng = np.random.default_rng(0)
     lengths = [40, 1, 57, 30]  # a one-token document too; EOD ends each but the cut-off last
     docs = [np.append(rng.integers(0, EOD, n), EOD) for n in lengths[:-1]] + [rng.integers(0, EOD, lengths[-1])]
     row = np.concatenate(docs)[:129].astype(np.int32)  # seq_len 128 + the last target
-    model = MODELS[family](impl)
+    model = MODELS[family](impl, dtype)
     params = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"]
     packed = DocumentMask(EOD)({"x": row[:-1], "y": row[1:], "mask": np.ones(128, np.float32)})
     inputs = {k: packed[k] for k in ("segment_ids", "positions")}
@@ -200,8 +207,8 @@ def test_packed_row_loss_is_the_sum_of_its_documents_losses(family: str, impl: s
         piece = row[start:start + len(doc)]  # this document (and, within the row, no more)
         start += len(doc)
         if len(piece) > 1:  # predictions inside the document: every token but its last
-            alone.append(float(jnp.sum(row_losses(MODELS[family]("xla"), params, piece))))
-    assert abs(packed_sum - sum(alone)) < 1e-3 * max(1.0, abs(packed_sum)), (packed_sum, sum(alone))
+            alone.append(float(jnp.sum(row_losses(MODELS[family]("xla", dtype), params, piece))))
+    assert abs(packed_sum - sum(alone)) < tol * max(1.0, abs(packed_sum)), (packed_sum, sum(alone))
     without = float(jnp.sum(row_losses(model, params, row) * packed["mask"]))
     assert abs(without - packed_sum) > 1e-2  # without segments the documents see each other
 

@@ -105,7 +105,7 @@ class LmEval(EvaluatorBase):
 
         with filtered_stderr(self._said):
             out = lm_eval.simple_evaluate(
-                model=RunnerLM.around(ctx, state, self.spec.eval.batch_size), tasks=list(self.settings.tasks),
+                model=RunnerLM(ctx, state, self.spec.eval.batch_size), tasks=list(self.settings.tasks),
                 num_fewshot=self.settings.num_fewshot, limit=self.rows, task_manager=self._tasks, bootstrap_iters=0,
                 random_seed=self.spec.seed, numpy_random_seed=self.spec.seed, torch_random_seed=self.spec.seed,
                 fewshot_random_seed=self.spec.seed, log_samples=False)

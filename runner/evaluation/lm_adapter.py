@@ -1,15 +1,9 @@
-"""A runner model as an lm-evaluation-harness `LM`, so lm-eval scores runner checkpoints.
+"""A runner model as an lm-evaluation-harness `LM`, so lm-eval scores runner models.
 
-Two ways in:
-
-* lm-eval's own command line, `lm_eval --model runner --model_args checkpoint=RUN --tasks ...`:
-  lm-eval finds the name "runner" through the startup hook runner installs
-  (`_runner_lm_eval.py`, loaded by `runner-lm-eval.pth`), builds `RunnerLM(checkpoint=RUN)`,
-  and this restores the newest complete checkpoint under RUN (a run directory, its
-  checkpoints/ or one checkpoints/<step>) with the model, data and seq_len of its saved spec,
-  as `mode=eval` does. `overrides="topology=cpu eval.batch_size=16"` passes runner settings.
-* runner's `lm_eval` evaluator (runner.evaluation.harness), which wraps the state it is handed
-  with `RunnerLM.around`, in the training loop or in mode=eval.
+`RunnerLM(ctx, state)` wraps the state of a running job (runner's `lm_eval` evaluator,
+runner.evaluation.harness, in the loop or in mode=eval); its subclass in
+runner.evaluation.lm_checkpoint restores a checkpoint for lm-eval's own command line,
+`lm_eval --model runner --model_args checkpoint=RUN`.
 
 Requests are scored by runner.evaluation.scoring, the path runner's own `multiple_choice` uses,
 so both give the same log-likelihoods for the same text. Sequences are train.seq_len tokens (the
@@ -22,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 from typing import Any, Iterator, Optional, Sequence
 
@@ -36,8 +29,6 @@ from runner.evaluation.base import batch_ways, global_batch, process_batches, re
 from runner.evaluation.generate import generate_tokens
 from runner.evaluation.scoring import Pair, Scorer
 
-ARGS = ("checkpoint", "overrides", "batch_size", "max_batch_size", "device")
-
 
 def exit_with(err: UserError) -> None:
     """runner's answer to a mistake: one paragraph on stderr, exit code 2, no traceback."""
@@ -46,64 +37,17 @@ def exit_with(err: UserError) -> None:
 
 
 class RunnerLM(TemplateLM):
-    """lm-eval's view of a runner model with restored parameters."""
+    """lm-eval's view of a runner model and its parameters."""
 
     backend = "causal"
+    exit_on_mistakes = False  # True under lm-eval's command line (runner.evaluation.lm_checkpoint)
 
-    def __init__(self, checkpoint: str = "", overrides: str = "", batch_size: Any = None, **unused: Any) -> None:
+    def __init__(self, ctx: Any, state: Any, batch_size: Any = None, checkpoint: str = "") -> None:
+        """`ctx`: the job's EvalContext; `state`: the parameters to score with (the job's mesh
+        context must be active while the model is used); `batch_size`: rows per forward pass
+        (default eval.batch_size)."""
         super().__init__()
-        unknown = sorted(set(unused) - set(ARGS))
-        try:
-            if unknown:
-                raise UserError(f"lm-eval passed --model_args {', '.join(unknown)}, which the runner model does not "
-                                "take. Fix: use checkpoint=RUN_DIR and, for runner settings, "
-                                "overrides='key=value key=value'.")
-            if not checkpoint:
-                raise UserError("The runner model needs a checkpoint to score. Fix: pass --model_args "
-                                "checkpoint=RUN_DIR (a run directory, its checkpoints/, or one checkpoints/<step>).")
-            self._load(str(checkpoint), str(overrides or "").split(), batch_size)
-        except UserError as err:  # lm-eval's command line: one paragraph, exit 2, as runner's own
-            exit_with(err)
-
-    def _load(self, checkpoint: str, overrides: list[str], batch_size: Any) -> None:
-        from runner import compile_cache
-        from runner.cli import precheck, skip_absent_tpu
-        from runner.config import build_spec
-        from runner.evaluation.standalone import restore_for_eval, spec_for_checkpoint
-        from runner.job import load_job_modules
-        from runner.spec import register_schema
-
-        skip_absent_tpu([])  # as `python -m runner` does: no TPU probe where there is none
-        if "JAX_PLATFORMS" in os.environ:  # jax is imported already; its backends are not started yet
-            jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
-        register_schema()
-        load_job_modules()
-        overrides = ["mode=eval", f"eval.checkpoint={checkpoint}", "eval.evaluators=[]", *overrides]
-        spec = spec_for_checkpoint(build_spec(precheck(overrides), overrides))
-        compile_cache.enable(spec.run.compile_cache)
-        job, state, step_dir = restore_for_eval(spec)
-        self.checkpoint = str(step_dir)
-        self._stack = job._context()  # mesh and logical-axis rules, for as long as the model is used
-        self._stack.__enter__()
-        self._bind(job.eval_context(), state, batch_size)
-
-    def close(self) -> None:
-        """Leave the job's mesh context (a model loaded from a checkpoint enters it)."""
-        stack = getattr(self, "_stack", None)
-        if stack is not None:
-            self._stack = None
-            stack.__exit__(None, None, None)
-
-    @classmethod
-    def around(cls, ctx: Any, state: Any, batch_size: Optional[int] = None) -> "RunnerLM":
-        """A view of `state` (inside a running job: its mesh context is already active)."""
-        lm = cls.__new__(cls)
-        TemplateLM.__init__(lm)
-        lm.checkpoint = ""
-        lm._bind(ctx, state, batch_size)
-        return lm
-
-    def _bind(self, ctx: Any, state: Any, batch_size: Any) -> None:
+        self.checkpoint = checkpoint
         self.ctx, self.state = ctx, state
         rows = batch_size if isinstance(batch_size, int) or str(batch_size).isdigit() else None
         unit = math.lcm(batch_ways(ctx), jax.process_count())
@@ -144,7 +88,7 @@ class RunnerLM(TemplateLM):
         try:
             yield
         except UserError as err:
-            if getattr(self, "_stack", None) is None:
+            if not self.exit_on_mistakes:
                 raise
             exit_with(err)
 
