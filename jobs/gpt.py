@@ -7,11 +7,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-import jax
-
-from runner import hf
 from runner.job import JOBS
-from runner.models import family_for, model_config
+from runner.models import family_for, import_hf_params, model_config
 from runner.spec import ExecutionSpec
 from runner.trainer import BaseTrainer
 
@@ -42,12 +39,8 @@ class LMTrainer(BaseTrainer[Any, Any]):
         return int(self._family.param_count(self.model_config))
 
     def import_hf(self, abstract_params: Any) -> Any:
-        where = hf.hf_dir(self.spec.run.init_from)
-        hf.check_dims(self._family.hf_dims(hf.read_config(where)), self.model_config, where)
-        shapes = {tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
-                  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
-        return hf.import_params(self._family.hf_layout(self.model_config), hf.hf_tensor_reader(where), shapes,
-                                self.model_config.scan_layers, where)
+        """The model's settings already come from config.json (runner.models.with_hf_settings)."""
+        return import_hf_params(self.spec, self.model_config, abstract_params)
 
 
 GPTTrainer = LMTrainer  # the name user code subclasses

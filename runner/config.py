@@ -34,5 +34,7 @@ def check(spec: ExecutionSpec) -> ExecutionSpec:
 
 
 def build_spec(cfg: Any, overrides: Sequence[str] = (), sweep_root: str | None = None) -> ExecutionSpec:
-    """Composed config -> validated, frozen ExecutionSpec (see runner.spec.resolve_spec)."""
-    return check(resolve_spec(cfg, list(overrides), sweep_root))
+    """Composed config -> validated, frozen ExecutionSpec (see runner.spec.resolve_spec); a model
+    imported from Hugging Face takes its settings from its config.json (runner.models)."""
+    spec = models.with_hf_settings(resolve_spec(cfg, list(overrides), sweep_root), list(overrides))
+    return check(spec)

@@ -22,6 +22,9 @@ MODES = ("train", "eval", "compile")
 WANDB_MODES = ("offline", "online", "disabled")
 PROGRESS_STYLES = ("auto", "rich", "plain", "none")
 ON_DAMAGED = ("fallback", "stop")
+# job.model.activation: transformers' names (ACT2FN) for the functions runner computes the same way
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 # Overrides that may change between launches of the same run, so they do not name its directory
 # (`job=` itself is already part of the path). A key is matched exactly or as a prefix.
@@ -53,11 +56,28 @@ class RopeSpec(_Frozen):
     """Rotary embeddings (llama family)."""
 
     theta: float = 10000.0
-    scaling: str = "none"  # none | llama3 (Llama 3.1+'s frequency scaling, with the four below)
+    # none | linear (positions divided by factor) | llama3 (Llama 3.1+'s frequency scaling: factor,
+    # low/high_freq_factor, original_context) | yarn (YaRN: factor, original_context, beta_fast,
+    # beta_slow, attention_factor, truncate), as transformers computes them
+    scaling: str = "none"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0  # yarn: cos/sin scale; 0: 0.1 * ln(factor) + 1, YaRN's default
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+
+@dataclass(frozen=True)
+class HFOriginSpec(_Frozen):
+    """What an export to Hugging Face keeps of the model a run was imported from (run.init_from=hf:DIR
+    fills it from config.json): its architecture and its token ids."""
+
+    architecture: str = ""  # e.g. MistralForCausalLM; empty: the one the model settings call for
+    bos_token_id: Optional[int] = None  # None: the training data's end-of-document id
+    eos_token_id: list[int] = field(default_factory=list)  # empty: the training data's end-of-document id
 
 
 @dataclass(frozen=True)
@@ -86,8 +106,14 @@ class ModelSpec(_Frozen):
     n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: n_heads
     qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
     qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
-    norm_eps: float = 1e-5
+    out_bias: bool = False  # a bias on the attention output projection (Llama's attention_bias has both)
+    mlp_bias: bool = False  # biases on the MLP's projections (Llama's mlp_bias)
+    # the MLP's activation: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh approximation),
+    # quick_gelu, relu; empty: the family's own (gpt: gelu_new, llama: silu, gated as SwiGLU)
+    activation: str = ""
+    norm_eps: float = 1e-5  # RMSNorm's (llama) and LayerNorm's (gpt) epsilon
     rope: RopeSpec = field(default_factory=RopeSpec)
+    hf: HFOriginSpec = field(default_factory=HFOriginSpec)
 
 
 @dataclass(frozen=True)
@@ -403,6 +429,10 @@ def validate(spec: ExecutionSpec) -> None:
     _one_of("job.model.compute_dtype", m.compute_dtype, ("float32", "bfloat16"))
     _one_of("job.model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
     _one_of("job.model.remat", m.remat, ("none", "full", "dots"))
+    _one_of("job.model.activation", m.activation, ("", *ACTIVATIONS))
+    _one_of("job.model.rope.scaling", m.rope.scaling, ROPE_SCALINGS)
+    if m.norm_eps <= 0:
+        raise ConfigError("job.model.norm_eps", m.norm_eps, "it must be positive.", "use e.g. 1e-5 or 1e-6.")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("job.model.dropout", m.dropout, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")
 

@@ -391,7 +391,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             self.state = self.state.replace(params=jax.tree.map(
                 lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), params, abstract.params))
             if jax.process_index() == 0:
-                print(f"warm start: parameters from the Hugging Face model {self.spec.run.init_from[3:]}", flush=True)
+                m = self.spec.job.model
+                print(f"warm start: parameters from the Hugging Face model {self.spec.run.init_from[3:]} "
+                      f"({m.hf.architecture or m.family}: d_model={m.d_model}, n_layers={m.n_layers}, "
+                      f"n_heads={m.n_heads}, vocab_size={m.vocab_size}; job.model settings from its config.json)",
+                      flush=True)
             return
         tree = ckpt.warm_start(self.spec.run.init_from, self.spec.run.init_mode, st.state_tree(abstract))
         self.state = abstract.replace(**tree) if self.spec.run.init_mode == "full" else \

@@ -156,10 +156,23 @@ def test_a_trained_run_exports_through_the_command_line_and_a_mismatch_is_refuse
 
     from tests.conftest import runner_env
 
-    out = subprocess.run([sys.executable, "-m", "runner.export", "run", "hf", "--max-shard-size", "100KB"],
-                         cwd=tmp_path, env=runner_env(tmp_path), capture_output=True, text=True, timeout=600)
+    def export_cli(*extra: str) -> subprocess.CompletedProcess:
+        env = runner_env(tmp_path)
+        del env["JAX_PLATFORMS"]  # as a user runs it: the command itself keeps to the CPU
+        return subprocess.run([sys.executable, "-m", "runner.export", "run", "hf", *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    out = export_cli()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip() == "", out.stderr[-3000:]  # no libtpu, absl or orbax noise on a CPU machine
+    # into a non-empty directory: refused, nothing touched; --overwrite clears the old weights first
+    again = export_cli("--max-shard-size", "100KB")
+    assert again.returncode == 2 and "--overwrite" in again.stderr and "Traceback" not in again.stderr
+    assert (tmp_path / "hf" / hf.SINGLE_FILE).is_file() and not (tmp_path / "hf" / hf.INDEX_FILE).exists()
+    out = export_cli("--max-shard-size", "100KB", "--overwrite")
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert hf.SINGLE_FILE in report["removed"] and not (tmp_path / "hf" / hf.SINGLE_FILE).exists()
     assert len(report["shards"]) > 1 and (tmp_path / "hf" / hf.INDEX_FILE).is_file()  # sharded, with an index
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -167,12 +180,15 @@ def test_a_trained_run_exports_through_the_command_line_and_a_mismatch_is_refuse
     assert config["eos_token_id"] == 256  # the byte tokenizer's end of document
     assert read_metrics(tmp_path / "run")
 
-    # a model of other dims, or another architecture, is one paragraph naming the field, exit 2
+    # a command-line key that contradicts the model's config.json is one paragraph naming both, exit 2
     wrong = run_runner([*args, "run.dir=again", "run.init_from=hf:hf", "job.model.d_ff=64"], tmp_path)
-    assert wrong.returncode == 2 and "job.model.d_ff" in wrong.stderr and "intermediate_size" in wrong.stderr
-    assert "Traceback" not in wrong.stderr
-    other = run_runner([*TINY, "run.dir=gpt", "run.init_from=hf:hf", "train.steps=1"], tmp_path)
-    assert other.returncode == 2 and "run.init_from" in other.stderr and "gpt2" in other.stderr
+    assert wrong.returncode == 2 and "job.model.d_ff" in wrong.stderr and "config.json" in wrong.stderr
+    assert "Traceback" not in wrong.stderr and not (tmp_path / "again").exists()
+    other = run_runner([*TINY, "run.dir=gpt", "run.init_from=hf:hf", "job.model.family=gpt"], tmp_path)
+    assert other.returncode == 2 and "job.model.family" in other.stderr and "'llama'" in other.stderr
+    # without it, the default job imports the Llama in one launch: its family and dims from config.json
+    ok = run_runner([*TINY, "run.dir=gpt", "run.init_from=hf:hf", "train.steps=1", "eval.every=0"], tmp_path)
+    assert ok.returncode == 0 and "LlamaForCausalLM" in ok.stdout, ok.stderr[-2000:]
 
 
 def test_import_errors_are_user_errors(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ VARIANTS = {
     "mqa_qk_norm": dict(n_heads=4, n_kv_heads=1, qk_norm=True),
     "bias_untied": dict(n_heads=4, n_kv_heads=4, qkv_bias=True, tie_embeddings=False),
     "llama3_rope": dict(n_heads=4, n_kv_heads=2, rope_scaling="llama3", rope_factor=4.0, rope_original_context=16),
+    "all_biases_gelu_linear_rope": dict(n_heads=4, n_kv_heads=2, qkv_bias=True, out_bias=True, mlp_bias=True,
+                                        activation="gelu", rope_scaling="linear", rope_factor=2.0),
+    "yarn_rope": dict(n_heads=4, n_kv_heads=2, rope_scaling="yarn", rope_factor=4.0, rope_original_context=8),
 }
 
 
@@ -83,6 +86,9 @@ def unstack(params: dict, layers: int) -> dict:
 def test_scanned_and_unrolled_agree_and_a_cache_decodes_the_same_logits(variant: str) -> None:
     scanned, unrolled = Llama(tiny(True, **VARIANTS[variant])), Llama(tiny(False, **VARIANTS[variant]))
     params = random_params(scanned)
+    from runner.models.llama import param_count
+
+    assert param_count(scanned.cfg) == sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     tokens = jax.random.randint(jax.random.key(1), (3, 12), 0, 61)
     full = scanned.apply({"params": params}, tokens)
     np.testing.assert_allclose(unrolled.apply({"params": unstack(params, 2)}, tokens), full, atol=1e-5)
@@ -137,8 +143,18 @@ def test_bad_llama_settings_name_their_key() -> None:
         spec_for("job=llama_tiny", "job.model.family=nope")
     assert info.value.key == "job.model.family" and "gpt" in str(info.value) and "llama" in str(info.value)
     with pytest.raises(ConfigError) as info:
-        spec_for("job=llama_tiny", "job.model.rope.scaling=yarn")
+        spec_for("job=llama_tiny", "job.model.rope.scaling=dynamic")
     assert info.value.key == "job.model.rope.scaling"
+    # a key only the other family reads is refused, not ignored
+    for job, key, value in (("gpt_tiny", "mlp_bias", "true"), ("gpt_tiny", "rope.theta", "5000"),
+                            ("gpt_tiny", "n_kv_heads", "2"), ("llama_tiny", "dropout", "0.1"),
+                            ("llama_tiny", "use_bias", "false")):
+        with pytest.raises(ConfigError) as info:
+            spec_for(f"job={job}", f"job.model.{key}={value}")
+        assert info.value.key == f"job.model.{key.split('.')[0]}" and "does not read it" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        spec_for("job=llama_tiny", "job.model.activation=tanh")
+    assert info.value.key == "job.model.activation"
 
 
 def test_llama_with_one_kv_head_trains_on_a_tensor_axis_and_a_users_family_trains(tmp_path) -> None:

@@ -9,16 +9,18 @@ model. A family in your own module is named by import path: `job.model.family=my
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Sequence
 
 from runner import hf
 from runner.errors import ConfigError
 from runner.models import attention, gpt, llama  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
-from runner.spec import ExecutionSpec
+from runner.spec import ExecutionSpec, ModelSpec, validate
 from runner.topology import parse_topology
 
-__all__ = ["MODEL_FAMILIES", "ModelFamily", "check_spec", "family_for", "model_config"]
+__all__ = ["MODEL_FAMILIES", "ModelFamily", "check_spec", "family_for", "import_hf_params", "model_config",
+           "with_hf_settings"]
 
 
 def family_for(spec: ExecutionSpec) -> Any:
@@ -47,15 +49,100 @@ def model_config(spec: ExecutionSpec) -> Any:
 
 
 def check_spec(spec: ExecutionSpec) -> None:
-    """The job.model section: the family exists and accepts these settings; a Hugging Face model to
-    start from (run.init_from=hf:DIR) has this family's architecture and these dims."""
+    """The job.model section: the family exists and accepts these settings, and a model it can
+    export to Hugging Face is one a transformers architecture holds (refused now, not after
+    training: job.model.hf.architecture, or a combination no architecture has)."""
     family = family_for(spec)
     config = family.config(spec.job.model)
     named = parse_topology(spec.topology).platform if spec.topology else "auto"
     attention.check(spec.job.model.attention, named, spec.job.model.compute_dtype, spec.train.seq_len)
-    if spec.run.init_from.startswith(hf.HF_PREFIX):
-        where = hf.hf_dir(spec.run.init_from)
-        if not hasattr(family, "hf_dims"):
-            raise ConfigError("run.init_from", spec.run.init_from, f"the model family {spec.job.model.family!r} "
-                              "has no Hugging Face layout.", "use a family that has one (gpt, llama).")
-        hf.check_dims(family.hf_dims(hf.read_config(where)), config, where)
+    if hasattr(family, "hf_architecture"):
+        family.hf_architecture(config)
+
+
+def hf_family(init_from: str, model_type: Any) -> Any:
+    """The registered family that imports config.json's model_type."""
+    for name in MODEL_FAMILIES.names():
+        family = MODEL_FAMILIES.get(name)
+        if model_type in getattr(family, "hf_model_types", ()):
+            return family
+    known = sorted((t, n) for n in MODEL_FAMILIES.names() for t in getattr(MODEL_FAMILIES.get(n), "hf_model_types", ()))
+    raise ConfigError("run.init_from", init_from, f"its config.json says model_type={model_type!r}, an architecture "
+                      f"runner does not implement; it imports {', '.join(f'{t} ({n})' for t, n in known)}.",
+                      "import a model of one of those architectures.")
+
+
+def command_line_model_keys(overrides: Sequence[str]) -> set[str]:
+    """The job.model keys (below job.model) the command line sets."""
+    keys = set()
+    for override in overrides:
+        key = override.lstrip("+").split("=", 1)[0]
+        if key.startswith("job.model."):
+            keys.add(key[len("job.model."):])
+    return keys
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _replace(obj: Any, dotted: str, value: Any) -> Any:
+    head, _, rest = dotted.partition(".")
+    return dataclasses.replace(obj, **{head: _replace(getattr(obj, head), rest, value) if rest else value})
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
+    return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
+def with_hf_settings(spec: ExecutionSpec, overrides: Sequence[str]) -> ExecutionSpec:
+    """run.init_from=hf:DIR: the model's settings come from DIR/config.json (its family, dims,
+    activation, biases, rope, epsilon; every field read or refused by the family's rules), over
+    the job file's values. A job.model key set on the command line that contradicts config.json
+    is refused naming both."""
+    if not spec.run.init_from.startswith(hf.HF_PREFIX):
+        return spec
+    where = hf.hf_dir(spec.run.init_from)
+    config = hf.read_config(where)
+    family = hf_family(spec.run.init_from, config.get("model_type"))
+    user_keys = command_line_model_keys(overrides)
+    if "scale" in user_keys and spec.job.model.scale:
+        raise ConfigError("job.model.scale", spec.job.model.scale, "it sets the model's width, and the imported "
+                          f"model's dims come from {where / 'config.json'}.", "drop job.model.scale.")
+    settings = family.hf_settings(spec.run.init_from, config, spec.job.model)
+    # the job file's model settings do not carry over (another family's keys among them): how to
+    # run the model (dtypes, kernel, remat, scan, dropout, the context), and what the command line set, do
+    keep = {"compute_dtype", "param_dtype", "attention", "remat", "scan_layers", "dropout", "context_length",
+            *(key.split(".")[0] for key in user_keys)}
+    model = dataclasses.replace(ModelSpec(), **{key: getattr(spec.job.model, key) for key in keep
+                                                if hasattr(spec.job.model, key)})
+    for key, value in settings.items():
+        if key in user_keys and not _same(_get(model, key), value):
+            raise ConfigError(f"job.model.{key}", _get(model, key), f"the model imported by run.init_from="
+                              f"{spec.run.init_from} has {value!r} ({where / 'config.json'}).",
+                              f"drop job.model.{key} from the command line: an imported model's settings come "
+                              "from its config.json.")
+        model = _replace(model, key, value)
+    model = dataclasses.replace(model, scale=0)
+    spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=model))
+    validate(spec)
+    return spec
+
+
+def import_hf_params(spec: ExecutionSpec, config: Any, abstract_params: Any) -> dict[str, Any]:
+    """The parameters of the Hugging Face model run.init_from=hf:DIR names, as numpy arrays in the
+    layout of `abstract_params` (this model's, whose settings came from config.json): every
+    tensor in the files placed, or the import refused naming it."""
+    import jax
+
+    family = family_for(spec)
+    where = hf.hf_dir(spec.run.init_from)
+    shapes = {tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    tensors = hf.HFTensors(where, getattr(family, "hf_base_prefix", ""))
+    buffers = family.hf_buffers(config) if hasattr(family, "hf_buffers") else {}
+    return hf.import_params(family.hf_layout(config), tensors, shapes, config.scan_layers, where, buffers)

@@ -35,6 +35,15 @@ class ModelFamily(Protocol):
 MODEL_FAMILIES: Registry[Any] = Registry("model family", "job.model.family")
 
 
+def refuse_foreign_keys(model: ModelSpec, family: str, keys: Sequence[str], fix: str) -> None:
+    """A job.model key another family reads, set away from its default, would be ignored here: refuse it."""
+    default = ModelSpec()
+    for key in keys:
+        if getattr(model, key) != getattr(default, key):
+            raise ConfigError(f"job.model.{key}", getattr(model, key), f"the {family} family does not read it (it "
+                              "belongs to another family), so it would change nothing.", fix)
+
+
 def fields_of(config_type: type, model: ModelSpec, **values: Any) -> Any:
     """`config_type` built from the job.model keys it shares with ModelSpec, plus `values`."""
     known = {f.name for f in dataclasses.fields(config_type)}

@@ -12,19 +12,19 @@ deprecated ``with mesh:`` does not set).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
-from runner.errors import ConfigError, UserError
-from runner.hf import HFTensor, one, same
+from runner.errors import ConfigError
+from runner.models import gpt_hf
 from runner.models.attention import attend
-from runner.models.family import MODEL_FAMILIES, fields_of
+from runner.models.common import COMPUTE_DTYPES, activation
+from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 
 # Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
 # matters: flax assigns rules first-come and never reuses a mesh axis within one
@@ -43,7 +43,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 KVCache = tuple[jax.Array, jax.Array]  # one layer's cached (keys, values), (B, L, N, H) each
 
-_COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_COMPUTE_DTYPES = COMPUTE_DTYPES
 _REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "full": None,  # save nothing: recompute the whole block on the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
@@ -68,6 +68,8 @@ class GPTConfig:
     remat: str = "none"
     use_bias: bool = True
     scan_layers: bool = True
+    activation: str = "gelu_new"  # transformers' name (runner.models.common.ACTIVATIONS)
+    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         if self.d_ff == 0:
@@ -170,7 +172,7 @@ def output_logits(cfg: Any, x: jax.Array, embed: nn.Embed, new_cache: KVCache | 
 
 def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(
-        epsilon=1e-5,
+        epsilon=cfg.norm_eps,
         dtype=cfg.dtype,
         param_dtype=cfg.params_dtype,
         use_bias=cfg.use_bias,
@@ -247,7 +249,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise GELU feed-forward block."""
+    """Position-wise feed-forward block (GELU, tanh approximation, unless cfg.activation says)."""
 
     cfg: GPTConfig
     deterministic: bool = True
@@ -264,7 +266,7 @@ class MLP(nn.Module):
             bias_init=_zeros(("mlp",)),
             name="fc",
         )(x)
-        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+        h = nn.with_logical_constraint(activation(cfg.activation)(h), ("batch", "length", "mlp"))
         y = nn.Dense(
             cfg.d_model,
             use_bias=cfg.use_bias,
@@ -401,7 +403,12 @@ class GPTFamily:
         if model.d_model % model.n_heads:
             raise ConfigError("job.model.n_heads", model.n_heads, f"it does not divide d_model={model.d_model}.",
                               "choose n_heads so that d_model / n_heads is a whole number.")
-        return fields_of(GPTConfig, model)
+        refuse_foreign_keys(model, "gpt", ("n_kv_heads", "qk_norm", "qkv_bias", "out_bias", "mlp_bias", "rope"),
+                            "drop it, or use job.model.family=llama; the gpt family's biases are job.model.use_bias.")
+        if model.hf.architecture not in ("", gpt_hf.ARCHITECTURE):
+            raise ConfigError("job.model.hf.architecture", model.hf.architecture, "the gpt family exports as "
+                              f"{gpt_hf.ARCHITECTURE} only.", f"use {gpt_hf.ARCHITECTURE}, or leave it empty.")
+        return fields_of(GPTConfig, model, activation=model.activation or "gelu_new")
 
     @staticmethod
     def module(config: GPTConfig) -> GPT:
@@ -414,63 +421,18 @@ class GPTFamily:
     param_count = staticmethod(param_count)
     flops_per_token = staticmethod(flops_per_token)
 
-    # ------------------------------------------------------------------ Hugging Face (GPT2LMHeadModel)
+    # ------------------------------------------------------------------ Hugging Face (runner.models.gpt_hf)
+
+    hf_model_types = ("gpt2",)  # config.json model_type values it imports
+    hf_base_prefix = gpt_hf.BASE_PREFIX
+    hf_settings = staticmethod(gpt_hf.settings)
+    hf_config = staticmethod(gpt_hf.hf_config)
+    hf_layout = staticmethod(gpt_hf.layout)
+    hf_buffers = staticmethod(gpt_hf.buffers)
 
     @staticmethod
-    def hf_config(cfg: GPTConfig) -> dict[str, Any]:
-        if not cfg.use_bias:
-            raise UserError("transformers' GPT-2 always has biases, and this model was trained without them "
-                            "(job.model.use_bias=false). Fix: train with use_bias=true to export to Hugging Face.")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-                "n_positions": cfg.context_length, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
-                "n_head": cfg.n_heads, "n_inner": cfg.d_ff, "activation_function": "gelu_new",
-                "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True, "dtype": "float32"}
-
-    @staticmethod
-    def hf_dims(hf: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
-        if hf.get("model_type") != "gpt2":
-            raise ConfigError("run.init_from", hf.get("model_type"), "the gpt family reads GPT-2 models "
-                              "(config.json model_type gpt2).", "import a GPT-2, or use job.model.family=llama.")
-        d = hf["n_embd"]
-        return {"vocab_size": ("vocab_size", hf["vocab_size"]), "context_length": ("n_positions", hf["n_positions"]),
-                "d_model": ("n_embd", d), "n_layers": ("n_layer", hf["n_layer"]), "n_heads": ("n_head", hf["n_head"]),
-                "d_ff": ("n_inner", hf.get("n_inner") or 4 * d),
-                "tie_embeddings": ("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True))),
-                "use_bias": ("model_type", True)}
-
-    @staticmethod
-    def hf_layout(cfg: GPTConfig) -> list[HFTensor]:
-        d = cfg.d_model
-
-        def split3(w: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-            return tuple(part.reshape(shape) for part in np.split(w, 3, axis=-1))
-
-        top = [HFTensor("transformer.wte.weight", ("wte/embedding",), None, same, one(same)),
-               HFTensor("transformer.wpe.weight", ("wpe/embedding",), None, same, one(same)),
-               HFTensor("transformer.ln_f.weight", ("ln_f/scale",), None, same, one(same)),
-               HFTensor("transformer.ln_f.bias", ("ln_f/bias",), None, same, one(same))]
-        if not cfg.tie_embeddings:
-            top.append(HFTensor("lm_head.weight", ("lm_head/kernel",), None, lambda w: w.T, one(lambda w: w.T)))
-        qkv = tuple(f"attn/{p}/kernel" for p in ("query", "key", "value"))
-        qkv_bias = tuple(f"attn/{p}/bias" for p in ("query", "key", "value"))
-        shape = (d, cfg.n_heads, cfg.head_dim)
-        templates: list[tuple[str, tuple[str, ...], Any, Any]] = [
-            ("ln_1.weight", ("ln_1/scale",), same, one(same)), ("ln_1.bias", ("ln_1/bias",), same, one(same)),
-            ("ln_2.weight", ("ln_2/scale",), same, one(same)), ("ln_2.bias", ("ln_2/bias",), same, one(same)),
-            ("attn.c_attn.weight", qkv, lambda *w: np.concatenate([x.reshape(d, d) for x in w], -1),
-             lambda w: split3(w, shape)),
-            ("attn.c_attn.bias", qkv_bias, lambda *b: np.concatenate([x.reshape(d) for x in b]),
-             lambda b: split3(b, shape[1:])),
-            ("attn.c_proj.weight", ("attn/out/kernel",), lambda w: w.reshape(d, d), one(lambda w: w.reshape(
-                cfg.n_heads, cfg.head_dim, d))),
-            ("attn.c_proj.bias", ("attn/out/bias",), same, one(same)),
-            ("mlp.c_fc.weight", ("mlp/fc/kernel",), same, one(same)), ("mlp.c_fc.bias", ("mlp/fc/bias",), same, one(same)),
-            ("mlp.c_proj.weight", ("mlp/proj/kernel",), same, one(same)),
-            ("mlp.c_proj.bias", ("mlp/proj/bias",), same, one(same)),
-        ]
-        return top + [HFTensor(f"transformer.h.{i}.{name}", sources, i, to_hf, from_hf)
-                      for name, sources, to_hf, from_hf in templates for i in range(cfg.n_layers)]
+    def hf_architecture(cfg: GPTConfig) -> tuple[str, str]:
+        return gpt_hf.ARCHITECTURE, "gpt2"
 
 
 MODEL_FAMILIES.register("gpt")(GPTFamily)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from runner.errors import ConfigError, UserError
-from runner.hf import HFTensor, one, same
+from runner.errors import ConfigError
+from runner.hf import HFTensor, one, same, zeros_of
+from runner.models import llama_hf
 from runner.models.attention import attend
-from runner.models.family import MODEL_FAMILIES, fields_of
-from runner.models.gpt import (_COMPUTE_DTYPES, LOGICAL_AXIS_RULES as GPT_RULES, check_length, empty_cache,
-                              output_logits, stack_blocks)
+from runner.models.common import COMPUTE_DTYPES, activation
+from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
+from runner.models.gpt import LOGICAL_AXIS_RULES as GPT_RULES, check_length, empty_cache, output_logits, stack_blocks
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -45,14 +46,22 @@ class LlamaConfig:
     head_dim: int
     d_ff: int
     rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # none | llama3
+    rope_scaling: str = "none"  # none | linear | llama3 | yarn
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0  # yarn; 0: 0.1 * ln(factor) + 1
+    rope_truncate: bool = True
     norm_eps: float = 1e-5
     qk_norm: bool = False
     qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"  # the gate's, SwiGLU by default (runner.models.common.ACTIVATIONS)
+    hf_architecture: str = ""  # the transformers class to export as; empty: chosen from the settings
     tie_embeddings: bool = False
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
@@ -68,11 +77,11 @@ class LlamaConfig:
 
     @property
     def dtype(self) -> Any:
-        return _COMPUTE_DTYPES[self.compute_dtype]
+        return COMPUTE_DTYPES[self.compute_dtype]
 
     @property
     def params_dtype(self) -> Any:
-        return _COMPUTE_DTYPES[self.param_dtype]
+        return COMPUTE_DTYPES[self.param_dtype]
 
 
 def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
@@ -85,10 +94,29 @@ def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, (head_dim / 2,), with Llama 3's scaling: long
-    wavelengths slowed by `rope_factor`, short ones kept, the band between interpolated."""
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
-    if cfg.rope_scaling == "llama3":
+    """Inverse frequencies of the rotary embedding, (head_dim / 2,), as transformers computes them:
+    linear (every frequency divided by `rope_factor`); Llama 3's (long wavelengths slowed by
+    `rope_factor`, short ones kept, the band between interpolated); YaRN's (interpolated below
+    `beta_slow` rotations over the original context, extrapolated above `beta_fast`, a linear ramp
+    between)."""
+    dim = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if cfg.rope_scaling == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_scaling == "yarn":
+        def correction_dim(rotations: float) -> float:
+            turns = cfg.rope_original_context / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / cfg.rope_factor) * (1 - extrapolation) + inv * extrapolation
+    elif cfg.rope_scaling == "llama3":
         low_wavelen = cfg.rope_original_context / cfg.rope_low_freq_factor
         high_wavelen = cfg.rope_original_context / cfg.rope_high_freq_factor
         wavelen = 2 * math.pi / inv
@@ -101,11 +129,23 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate (B, T, N, H) by positions (B, T), rotate-half layout (Hugging Face's)."""
+def rope_attention_scale(cfg: LlamaConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (so attention logits by its square); 1 otherwise."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return float(cfg.rope_attention_factor)
+    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """Rotate (B, T, N, H) by positions (B, T), rotate-half layout (Hugging Face's); cos and sin
+    multiplied by `scale` (YaRN's attention factor)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, H/2)
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
@@ -157,8 +197,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", cfg.params_dtype, name="query_norm")(q)
             k = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", cfg.params_dtype, name="key_norm")(k)
-        inv_freq = rope_frequencies(cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        inv_freq, scale = rope_frequencies(cfg), rope_attention_scale(cfg)
+        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"))
         else:
@@ -170,14 +210,15 @@ class Attention(nn.Module):
             mask = key_pos[None, None, :] <= positions[:, :, None]
             y = jax.nn.dot_product_attention(q, cached_k, cached_v, mask=mask[:, None])
             cache = (cached_k, cached_v)
-        y = nn.Einsum((cfg.n_heads, cfg.head_dim, cfg.d_model), "btnh,nhd->btd", use_bias=False, dtype=cfg.dtype,
-                      param_dtype=cfg.params_dtype,
-                      kernel_init=_init(0.02 / math.sqrt(2 * cfg.n_layers), ("heads", "kv", "embed")), name="out")(y)
+        y = nn.Einsum((cfg.n_heads, cfg.head_dim, cfg.d_model), "btnh,nhd->btd", use_bias=cfg.out_bias,
+                      dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                      kernel_init=_init(0.02 / math.sqrt(2 * cfg.n_layers), ("heads", "kv", "embed")),
+                      bias_init=_zeros(("embed",)), name="out")(y)
         return y, cache
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated: down(act(gate(x)) * up(x)), SwiGLU with act = silu."""
 
     cfg: LlamaConfig
 
@@ -186,10 +227,11 @@ class MLP(nn.Module):
         cfg = self.cfg
 
         def dense(name: str, features: int, names: tuple[str, str], std: float) -> nn.Dense:
-            return nn.Dense(features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                            kernel_init=_init(std, names), name=name)
+            return nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                            kernel_init=_init(std, names), bias_init=_zeros((names[1],)), name=name)
 
-        h = nn.silu(dense("gate", cfg.d_ff, ("embed", "mlp"), 0.02)(x)) * dense("up", cfg.d_ff, ("embed", "mlp"), 0.02)(x)
+        act = activation(cfg.activation)
+        h = act(dense("gate", cfg.d_ff, ("embed", "mlp"), 0.02)(x)) * dense("up", cfg.d_ff, ("embed", "mlp"), 0.02)(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         return dense("down", cfg.d_model, ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layers))(h)
 
@@ -245,8 +287,9 @@ class Llama(nn.Module):
 def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:
     d, h, f = cfg.d_model, cfg.head_dim, cfg.d_ff
     q, kv = cfg.n_heads * h, cfg.n_kv_heads * h
-    attn = d * q + 2 * d * kv + q * d + (q + 2 * kv) * int(cfg.qkv_bias) + 2 * h * int(cfg.qk_norm)
-    layer = attn + 3 * d * f + 2 * d
+    attn = (d * q + 2 * d * kv + q * d + (q + 2 * kv) * int(cfg.qkv_bias) + 2 * h * int(cfg.qk_norm)
+            + d * int(cfg.out_bias))
+    layer = attn + 3 * d * f + (2 * f + d) * int(cfg.mlp_bias) + 2 * d
     total = cfg.n_layers * layer + d
     if not cfg.tie_embeddings:
         total += d * cfg.vocab_size
@@ -268,13 +311,18 @@ class LlamaFamily:
     """Llama 2/3, Mistral-style and Qwen2/Qwen3-style decoders."""
 
     name = "llama"
+    hf_model_types = tuple(llama_hf.MODEL_TYPES)  # config.json model_type values it imports
 
     @staticmethod
     def config(model: Any) -> LlamaConfig:
+        refuse_foreign_keys(model, "llama", ("use_bias", "dropout"), "drop it; the llama family has no dropout, and "
+                            "its biases are job.model.qkv_bias, out_bias and mlp_bias.")
         r = model.rope
-        if r.scaling not in ("none", "llama3"):
+        if r.scaling not in ("none", "linear", "llama3", "yarn"):
             raise ConfigError("job.model.rope.scaling", r.scaling, "it is not a known rotary scaling.",
-                              "use none or llama3.")
+                              "use none, linear, llama3 or yarn.")
+        if r.scaling != "none" and r.factor <= 0:
+            raise ConfigError("job.model.rope.factor", r.factor, "it must be positive.", "use e.g. 8.0.")
         kv = model.n_kv_heads or model.n_heads
         if kv < 0 or model.n_heads % kv:
             raise ConfigError("job.model.n_kv_heads", model.n_kv_heads, f"it must divide n_heads={model.n_heads} "
@@ -283,7 +331,10 @@ class LlamaFamily:
         return fields_of(LlamaConfig, model, n_kv_heads=model.n_kv_heads or model.n_heads,
                          d_ff=model.d_ff or 4 * model.d_model, rope_theta=r.theta, rope_scaling=r.scaling,
                          rope_factor=r.factor, rope_low_freq_factor=r.low_freq_factor,
-                         rope_high_freq_factor=r.high_freq_factor, rope_original_context=r.original_context)
+                         rope_high_freq_factor=r.high_freq_factor, rope_original_context=r.original_context,
+                         rope_beta_fast=r.beta_fast, rope_beta_slow=r.beta_slow,
+                         rope_attention_factor=r.attention_factor, rope_truncate=r.truncate,
+                         activation=model.activation or "silu", hf_architecture=model.hf.architecture)
 
     @staticmethod
     def module(config: LlamaConfig) -> Llama:
@@ -296,95 +347,24 @@ class LlamaFamily:
     param_count = staticmethod(param_count)
     flops_per_token = staticmethod(flops_per_token)
 
-    # ------------------------------------------------------------------ Hugging Face
+    # ------------------------------------------------------------------ Hugging Face (runner.models.llama_hf)
+
+    hf_settings = staticmethod(llama_hf.settings)
+    hf_architecture = staticmethod(llama_hf.architecture)
+    hf_config = staticmethod(llama_hf.hf_config)
+    hf_layout = staticmethod(llama_hf.layout)
 
     @staticmethod
-    def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
-        """(architecture, model_type): Qwen3 has QK-norm, Qwen2 q/k/v biases, Llama neither."""
-        if cfg.qk_norm and cfg.qkv_bias:
-            raise UserError("No transformers architecture has both QK-norm and q/k/v biases (job.model.qk_norm and "
-                            "job.model.qkv_bias). Fix: train with one of them to export to Hugging Face.")
-        if cfg.qk_norm:
-            return "Qwen3ForCausalLM", "qwen3"
-        return ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")
-
-    @staticmethod
-    def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
-        arch, model_type = LlamaFamily.hf_architecture(cfg)
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.rope_scaling == "llama3":
-            rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                        high_freq_factor=cfg.rope_high_freq_factor,
-                        original_max_position_embeddings=cfg.rope_original_context)
-        config = {
-            "architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-            "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "rope_parameters": rope,
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "dtype": "float32",
-        }
-        if model_type == "qwen2":
-            config.update(use_sliding_window=False, max_window_layers=cfg.n_layers)
-        return config
-
-    @staticmethod
-    def hf_dims(hf: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
-        """job.model field -> (config.json key, value), for checking an imported model."""
-        model_type = hf.get("model_type")
-        if model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ConfigError("run.init_from", model_type, "the llama family reads Llama, Mistral, Qwen2 and Qwen3 "
-                              "models (config.json model_type llama, mistral, qwen2, qwen3).",
-                              "import a model of one of those, or use job.model.family=gpt for GPT-2.")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        heads = hf["num_attention_heads"]
-        dims = {
-            "vocab_size": ("vocab_size", hf["vocab_size"]), "d_model": ("hidden_size", hf["hidden_size"]),
-            "n_layers": ("num_hidden_layers", hf["num_hidden_layers"]), "n_heads": ("num_attention_heads", heads),
-            "n_kv_heads": ("num_key_value_heads", hf.get("num_key_value_heads") or heads),
-            "head_dim": ("head_dim", hf.get("head_dim") or hf["hidden_size"] // heads),
-            "d_ff": ("intermediate_size", hf["intermediate_size"]),
-            "tie_embeddings": ("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False))),
-            "qk_norm": ("model_type", model_type == "qwen3"), "qkv_bias": ("model_type", model_type == "qwen2"),
-            "norm_eps": ("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)), "rope.theta": ("rope_theta", float(theta)),
-            "rope.scaling": ("rope_type", "llama3" if rope.get("rope_type", rope.get("type")) == "llama3" else "none"),
-        }
-        return dims
-
-    @staticmethod
-    def hf_layout(cfg: LlamaConfig) -> list[HFTensor]:
-        d, h, n, k = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-
-        def heads_in(heads: int) -> tuple[Callable[..., np.ndarray], Callable[..., tuple[np.ndarray, ...]]]:
-            return (lambda w: w.reshape(d, heads * h).T), one(lambda w: w.T.reshape(d, heads, h))
-
-        out = [HFTensor("model.embed_tokens.weight", ("embed/embedding",), None, same, one(same)),
-               HFTensor("model.norm.weight", ("norm/scale",), None, same, one(same))]
-        if not cfg.tie_embeddings:
-            out.append(HFTensor("lm_head.weight", ("lm_head/kernel",), None, lambda w: w.T, one(lambda w: w.T)))
-        templates: list[tuple[str, str, Any, Any]] = [
-            ("input_layernorm.weight", "attn_norm/scale", same, one(same)),
-            ("post_attention_layernorm.weight", "mlp_norm/scale", same, one(same)),
-            ("self_attn.q_proj.weight", "attn/query/kernel", *heads_in(n)),
-            ("self_attn.k_proj.weight", "attn/key/kernel", *heads_in(k)),
-            ("self_attn.v_proj.weight", "attn/value/kernel", *heads_in(k)),
-            ("self_attn.o_proj.weight", "attn/out/kernel", lambda w: w.reshape(n * h, d).T,
-             one(lambda w: w.T.reshape(n, h, d))),
-            ("mlp.gate_proj.weight", "mlp/gate/kernel", lambda w: w.T, one(lambda w: w.T)),
-            ("mlp.up_proj.weight", "mlp/up/kernel", lambda w: w.T, one(lambda w: w.T)),
-            ("mlp.down_proj.weight", "mlp/down/kernel", lambda w: w.T, one(lambda w: w.T)),
-        ]
-        if cfg.qkv_bias:
-            for proj, heads in (("q", n), ("k", k), ("v", k)):
-                name = {"q": "query", "k": "key", "v": "value"}[proj]
-                templates.append((f"self_attn.{proj}_proj.bias", f"attn/{name}/bias", lambda b: b.reshape(-1),
-                                  one(lambda b, heads=heads: b.reshape(heads, h))))
-        if cfg.qk_norm:
-            templates += [("self_attn.q_norm.weight", "attn/query_norm/scale", same, one(same)),
-                          ("self_attn.k_norm.weight", "attn/key_norm/scale", same, one(same))]
-        for hf_name, source, to_hf, from_hf in templates:  # a source's layers together: each leaf read once
-            out += [HFTensor(f"model.layers.{i}.{hf_name}", (source,), i, to_hf, from_hf) for i in range(cfg.n_layers)]
+    def hf_buffers(cfg: LlamaConfig) -> dict[str, Any]:
+        """Tensors some checkpoints carry that are computed, not learned: the rotary inverse
+        frequencies (accepted when they are the ones this model computes) and, with tied
+        embeddings, a copy of the embedding as lm_head (accepted when equal)."""
+        inv = rope_frequencies(cfg)
+        out: dict[str, Any] = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": (
+            lambda x, read: x.shape == inv.shape and bool(np.allclose(x, inv, rtol=1e-5, atol=0)))
+            for i in range(cfg.n_layers)}
+        if cfg.tie_embeddings:
+            out["lm_head.weight"] = lambda x, read: bool(np.array_equal(x, read("model.embed_tokens.weight")))
         return out
 
 
