@@ -41,8 +41,11 @@ def skip_absent_tpu(argv: Sequence[str]) -> None:
 
 def _quiet_libraries(log_to_stderr: bool = True) -> None:
     """Libraries' warnings as one line each (not for Hydra's info flags: Hydra prints those
-    through its own handler, and a second one would print every line twice)."""
+    through its own handler, and a second one would print every line twice); colour codes only on
+    a terminal (Optuna's colorlog formatter colours unconditionally, but honours NO_COLOR)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if not sys.stderr.isatty():
+        os.environ.setdefault("NO_COLOR", "1")
     if log_to_stderr:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -63,13 +66,30 @@ def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
 
 
 def _composition_error(err: Exception) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    message = " ".join(lines)
+    """Hydra's error with its causes (\"Error merging override\" alone hides \"could not be converted
+    to Float\"), without the advice runner does not take (`+key` adds a key runner refuses) or
+    Hydra's config search path."""
+    import re
+
+    parts: list[str] = []
+    seen: BaseException | None = err
+    while seen is not None and len(parts) < 4:
+        text = " ".join(line.strip() for line in str(seen).splitlines() if line.strip())
+        text = re.split(r" Config search path:| full_key:| object_type=", text)[0].strip()
+        if text and "$VALUE" not in text and not any(text in p for p in parts):
+            parts.append(text.rstrip("."))
+        seen = seen.__cause__ or seen.__context__
+    message = ": ".join(parts)
+    unknown = re.search(r"Could not override '([^']+)'\. To append to your config use \+\S+", message)
+    if unknown:
+        return (f"Invalid config `{unknown.group(1)}`: runner has no setting of that name (every setting exists "
+                "already, so there is nothing to add with +). Fix: check its spelling and section: "
+                "`python -m runner --cfg job` prints every key with its value.")
     return (f"The command-line configuration is invalid: {message}. Fix: check the key and value; "
             "`python -m runner --cfg job` prints every key with its current value.")
 
 
-def precheck(overrides: Sequence[str], multirun: bool = False) -> Any:
+def precheck(overrides: Sequence[str], multirun: bool = False, build: bool = False) -> Any:
     """Check the command line before anything runs, so every mistake is one exit-code-2
     paragraph instead of Hydra's exit code 1 or a traceback: Hydra's own errors (unknown keys,
     wrong types, unknown group options) for a single run; for a sweep, every member's whole
@@ -97,13 +117,19 @@ def precheck(overrides: Sequence[str], multirun: bool = False) -> Any:
             where = f"In the sweep member `{' '.join(member)}`: " if multirun and len(members) > 1 else ""
             try:
                 cfg = compose(CONFIG_NAME, overrides=member)
-                if multirun:
-                    build_spec(cfg, member, sweep_root="runs/sweeps/check")
+                if multirun or build:
+                    build_spec(cfg, member, sweep_root="runs/sweeps/check" if multirun else None)
             except (HydraException, OmegaConfBaseException, ValueError) as err:
                 fail(where + _composition_error(err))
             except UserError as err:
                 fail(where + str(err))
     return cfg
+
+
+def jax_process_zero() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def write_resolved_spec(spec: Any) -> None:
@@ -124,8 +150,9 @@ def write_resolved_spec(spec: Any) -> None:
                         "Fix: choose a writable location with free space for run.dir.") from None
 
 
-def execute(spec: Any) -> None:
-    """Run one validated spec in this process."""
+def execute(spec: Any, in_sweep: bool = False) -> None:
+    """Run one validated spec in this process. A run halted by its guard or a hook exits with
+    their paragraph; in a sweep (`in_sweep`) they are raised, for the sweep to record."""
     if spec.mode == "compile":  # one process: no cluster to join, no devices to claim
         from runner.aot import run_compile
 
@@ -158,13 +185,20 @@ def execute(spec: Any) -> None:
         raise UserError(f"mode={spec.mode} is not available yet in this version of runner. "
                         "Fix: use mode=train (the default).")
     job_class = JOBS.get(spec.job.trainer)
-    write_resolved_spec(spec)
-    job = job_class(spec)
+    fresh = jax_process_zero() and not storage.path(spec.run.dir).exists()
     try:
+        write_resolved_spec(spec)
+        job = job_class(spec)
         job.run()
+    except UserError:  # refused before training (a mesh, data, a checkpoint): leave no directory behind
+        if fresh:
+            storage.remove_if_only(spec.run.dir, {"spec.yaml"})
+        raise
     except Preempted as stop:
         sys.exit(stop.exit_code)
     except (HookError, TrainingHalted) as err:  # the last good state is saved
+        if in_sweep:
+            raise
         fail(str(err), err.exit_code)
 
 
@@ -193,9 +227,25 @@ def task(cfg: Any) -> Any:
     return run_sweep_member(cfg, overrides)
 
 
-def run_sweep_member(cfg: Any, overrides: list[str]) -> float:
+class FailedObjective:
+    """What a failed member returns to the sweeper: not a number, so an optimizing sweeper
+    (Optuna) records a failed trial instead of telling its study a NaN (which optuna refuses)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __float__(self) -> float:
+        raise ValueError(self.reason)
+
+    def __str__(self) -> str:
+        return f"the member failed: {self.reason}"
+
+
+def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
     """One member: train it, record it in the sweep's summary, and return its objective
-    (run.objective; NaN for a failed member) for the sweeper to optimize."""
+    (run.objective) for the sweeper to optimize. A member that fails for any reason (its guard,
+    a hook, a crash, missing data) is recorded as failed with its reason, and the sweep goes on;
+    only a stop to be resumed (SIGTERM, exit 75) ends a local sweep."""
     import gc
     import traceback
 
@@ -203,6 +253,7 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float:
     from hydra.core.hydra_config import HydraConfig
 
     from runner.config import build_spec
+    from runner.exits import HookError, TrainingHalted
     from runner.sweep import SweepSummary
 
     from runner import goodput, storage
@@ -215,13 +266,13 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float:
         spec = build_spec(cfg, overrides, sweep_root=str(summary.root))
         run_dir, objective = spec.run.dir, spec.run.objective
         already = _already_finished(spec)
-        execute(spec)
+        execute(spec, in_sweep=True)
         status = "skipped (already finished)" if already else "finished"
-    except UserError as err:
+    except (UserError, HookError, TrainingHalted) as err:
         status, message = "failed", " ".join(str(err).split())
         print(f"error: {message}", file=sys.stderr, flush=True)
     except SystemExit as stop:
-        if _in_sweep_process:  # a stop (SIGTERM: PREEMPTED_EXIT_CODE) ends the whole local sweep; rerun resumes
+        if stop.code == PREEMPTED_EXIT_CODE and _in_sweep_process:  # a stop ends the local sweep; rerun resumes
             summary.record(hydra_cfg.job.num, overrides, run_dir, f"stopped (exit {stop.code})")
             raise
         status = "stopped (resumable)" if stop.code == PREEMPTED_EXIT_CODE else "failed"
@@ -234,7 +285,9 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float:
         gc.collect()
     entry = summary.record(hydra_cfg.job.num, overrides, run_dir, status, message, objective)
     value = entry.get("objective")
-    return float("nan") if value is None else float(value)
+    if value is None:
+        return FailedObjective(message or f"{entry.get('objective_name') or 'the objective'} was never logged")
+    return float(value)
 
 
 def _already_finished(spec: Any) -> bool:
@@ -247,6 +300,32 @@ def _already_finished(spec: Any) -> bool:
         return False
     steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
     return bool(steps) and max(steps) >= spec.train.steps
+
+
+# Hydra's flags that take the next word as their value (`--cfg job`, `-p hydra.launcher`)
+_VALUED_FLAGS = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                 "--config-dir", "--experimental-rerun", "-sc", "--shell-completion")
+
+
+def _flag_value(argv: Sequence[str], names: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return None
+
+
+def command_line_overrides(argv: Sequence[str]) -> list[str]:
+    """The overrides of a command line: its words less Hydra's flags and their values."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in _VALUED_FLAGS
+        else:
+            out.append(arg)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -268,12 +347,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from runner.job import load_job_modules
     from runner.spec import register_schema
-    from runner.sweep import SweepSummary, sweep_root
+    from runner.sweep import SweepSummary, sampler_seed, sweep_root
 
     register_schema()
-    if not info_only:
+    overrides = command_line_overrides(argv)
+    printed = _flag_value(argv, ("-c", "--cfg"))
+    printing = printed in ("job", "all") and not flags & {"-h", "--help", "--hydra-help", "-sc", "--shell-completion",
+                                                          "-i", "--info", "--version"}
+    if not info_only or printing:  # what --cfg job prints is checked as a run's spec is, and shown resolved
         load_job_modules()
-        precheck([a for a in argv if not a.startswith("-")], multirun)
+        precheck(overrides, multirun, build=printing)
+        if printing and "--resolve" not in argv:
+            argv = [*argv, "--resolve"]
     summary = None
     if multirun:
         _in_sweep_process = True
@@ -281,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         summary = SweepSummary(sweep_root(argv))
         # Hydra keeps its sweep bookkeeping in local files: a gs:// sweep's go to its local mirror
-        argv = [*argv, f"hydra.sweep.dir={storage.local_mirror(summary.root)}", "hydra.sweep.subdir=."]
+        argv = [*argv, *sampler_seed(argv), f"hydra.sweep.dir={storage.local_mirror(summary.root)}",
+                "hydra.sweep.subdir=."]
     sys.argv = [sys.argv[0], *argv]
     hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base=None)(task)()
     if summary is not None and summary.members:

@@ -39,3 +39,17 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, durable: bool 
 
 def atomic_write_json(path: str | os.PathLike[str], data: Any, durable: bool = False, **dumps: Any) -> Any:
     return atomic_write(path, json.dumps(data, **dumps) + "\n", durable=durable)
+
+
+def read_jsonl(path: Any) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, local or remote (a line cut short by a kill is skipped);
+    [] if it is absent."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

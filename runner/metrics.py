@@ -15,7 +15,7 @@ import jax
 from rich.console import Console
 
 from runner import storage
-from runner.files import atomic_write
+from runner.files import atomic_write, read_jsonl
 
 TENSORBOARD_DIR = "tensorboard"
 METRICS_FILE = "metrics.jsonl"
@@ -160,6 +160,8 @@ class MetricsLogger:
             self.wandb_run = self._start_wandb(run_dir, wandb_mode, wandb_project, wandb_entity,
                                                wandb_run_id, run_name, config, wandb_group)
             self.wandb_run_id = self.wandb_run.id
+            if resumed_step is not None:
+                self._replay_to_wandb(run_dir, resumed_step)
         self._file = JsonLines(self.path) if self.active else None
         self.tensorboard = self._start_tensorboard(run_dir, resumed_step) if self.active and tensorboard else None
 
@@ -189,6 +191,23 @@ class MetricsLogger:
             dir=str(local), config=dict(config), group=group or None,
             settings=wandb.Settings(console="off", silent=True),
         )
+
+    def _replay_to_wandb(self, run_dir: Any, resumed_step: int) -> None:
+        """Give wandb the steps up to the checkpoint this launch resumes from that metrics.jsonl has
+        and wandb's files lack (lost with a killed launch), in order, before anything new: wandb's
+        history then equals metrics.jsonl."""
+        from runner.wandb_history import history_steps
+
+        have = history_steps(storage.local_mirror(run_dir) / "wandb", self.wandb_run.id)
+        last = max(have, default=-1)
+        missing: dict[int, dict[str, float]] = {}
+        for record in read_jsonl(self.path):
+            step = record.get("step")
+            if isinstance(step, int) and last < step <= resumed_step:
+                missing.setdefault(step, {}).update(
+                    {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))})
+        for step in sorted(missing):
+            self.wandb_run.log(missing[step], step=step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.active:

@@ -94,8 +94,24 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
     keys = sorted({k for run in runs for k in run.settings if not k.startswith(_UNLABELLED)})
     differing = [k for k in keys if len({repr(run.settings.get(k)) for run in runs}) > 1]
     for run in runs:
-        run.label = ", ".join(f"{k}={run.settings.get(k)}" for k in differing) or storage.name(run.directory)
+        run.label = ", ".join(f"{k}={_short(run.settings.get(k))}" for k in differing) or storage.name(run.directory)
     return runs
+
+
+def _short(value: Any) -> str:
+    """A setting as a legend shows it: floats to 4 significant digits (an Optuna-sampled learning
+    rate has 17)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def panel_title(key: str) -> str:
+    """What an eval metric is: a held-out loss, or a (multiple-choice or lm-eval) accuracy."""
+    name = key.removeprefix("eval/")
+    for suffix, what in (("/loss", "held-out loss"), ("/acc_norm", "accuracy, length-normalised"),
+                         ("/acc", "accuracy")):
+        if name.endswith(suffix):
+            return f"{what}: {name.removesuffix(suffix)}"
+    return name
 
 
 def plot(runs: Sequence[Run], out: str, x: str = "step") -> list[str]:
@@ -108,7 +124,7 @@ def plot(runs: Sequence[Run], out: str, x: str = "step") -> list[str]:
     xkey = "tokens_seen" if x == "tokens" else "step"
     eval_keys = sorted({k for run in runs for r in run.records for k in r
                         if k.startswith("eval/") and k.endswith(("/loss", "/acc", "/acc_norm"))})
-    panels = [("train loss", ["loss"]), *[(f"held-out {k.removeprefix('eval/')}", [k]) for k in eval_keys],
+    panels = [("train loss", ["loss"]), *[(panel_title(k), [k]) for k in eval_keys],
               ("learning rate", ["lr"])]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
     for ax, (title, keys) in zip(axes[:, 0], panels):

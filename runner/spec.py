@@ -121,6 +121,10 @@ class JobSpec(_Frozen):
     name: str = "gpt_tiny"  # the conf/job/*.yaml that was chosen
     trainer: str = "gpt"  # registered job class, or an import path `pkg.module:Class`
     model: ModelSpec = field(default_factory=ModelSpec)
+    # The learning rate this job trains at, per optimizer name: optimizer.lr of the group chosen is
+    # the job's entry for it, else the group's own (conf/optimizer/*.yaml); optimizer.lr=X on the
+    # command line sets it outright.
+    lr: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,26 @@ def makedirs(location: str | os.PathLike[str]) -> None:
         path(location).mkdir(parents=True, exist_ok=True)
 
 
+def remove_if_only(location: str | os.PathLike[str], names: set[str]) -> bool:
+    """Delete the directory `location` when the only files in it (at any depth) are `names`: what a
+    launch refused before training wrote there. Anything else in it keeps it. True if deleted."""
+    if is_remote(location):
+        fs, root = filesystem(location), _strip(location)
+        files = [f[len(root):].lstrip("/") for f in fs.find(root)]
+        if not files or any(f not in names for f in files):
+            return False
+        fs.rm(root, recursive=True)
+        return True
+    import shutil
+
+    where = Path(os.fspath(location))
+    if not where.is_dir() or any(p.relative_to(where).as_posix() not in names for p in where.rglob("*")
+                                 if not p.is_dir()):
+        return False
+    shutil.rmtree(where)
+    return True
+
+
 def move_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     """Move a directory: one rename locally; a copy, then a delete, of every object remotely."""
     if not is_remote(src):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from runner import storage
-from runner.files import atomic_write_json
+from runner.files import atomic_write_json, read_jsonl
 
 SUMMARY_FILE = "summary.json"
 
@@ -31,16 +31,44 @@ def _value(argv: Sequence[str], key: str, default: str) -> str:
     return default
 
 
+def _canonical(arg: str) -> str:
+    """An override as it identifies a sweep: a list of values to sweep (`a,b`) in sorted order, so
+    the order they are written in does not make another sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+    except Exception:  # Hydra reports a bad override itself, later
+        return arg
+    if override.is_discrete_sweep() and not override.value().tags and not override.value().shuffle:
+        values = sorted(override.sweep_string_iterator())
+        return f"{override.get_key_element()}={','.join(values)}"
+    return arg
+
+
 def sweep_root(argv: Sequence[str]) -> Any:
     """`<run.root>/sweeps/<name>`: `run.sweep` if given, else the job and a hash of the command
-    (local, or on gs:// with a gs:// run.root)."""
+    (its overrides in sorted order, each sweep's values sorted); local, or on gs:// with a gs://
+    run.root."""
     root = _value(argv, "run.root", "runs")
     name = _value(argv, "run.sweep", "")
     if not name:
-        args = sorted(a for a in argv if not a.startswith("-") and not a.startswith("hydra"))
+        args = sorted(_canonical(a) for a in argv if not a.startswith("-") and not a.startswith("hydra"))
         digest = hashlib.sha256("\n".join(args).encode()).hexdigest()[:10]
         name = f"{_value(argv, 'job', 'gpt_tiny')}-{digest}"
     return storage.path(root) / "sweeps" / name
+
+
+def sampler_seed(argv: Sequence[str]) -> list[str]:
+    """With Optuna (hydra/sweeper=optuna) and no sampler seed given, one derived from the sweep, so
+    the same command asks the same trials again: a rerun finds their members finished and the
+    study it rebuilds is the whole sweep's. Returns the override to add (or none)."""
+    if _value(argv, "hydra/sweeper", "") != "optuna" or any(a.startswith("hydra.sweeper.sampler.seed=") for a in argv):
+        return []
+    if _value(argv, "hydra/sweeper/sampler", "tpe") == "grid":  # a grid is the same every time, and has no seed
+        return []
+    digest = hashlib.sha256(str(sweep_root(argv)).encode()).hexdigest()
+    return [f"hydra.sweeper.sampler.seed={int(digest[:8], 16) % 2**31}"]
 
 
 def member_overrides(overrides: Sequence[str], limit: int = 64) -> list[list[str]]:
@@ -72,16 +100,7 @@ def member_overrides(overrides: Sequence[str], limit: int = 64) -> list[list[str
 
 
 def _records(run_dir: Any) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def objective(run_dir: Any, name: str) -> tuple[str, float]:
@@ -146,6 +165,11 @@ class SweepSummary:
             shown = f"loss {loss:.4f}" if isinstance(loss, (int, float)) else ""
             if isinstance(value, (int, float)):
                 shown += f" {m['objective_name']} {value:.4f}"
+            elif m.get("objective_name"):
+                shown += f" {m['objective_name']} nan"
+            if m["status"] == "failed" and m.get("message"):
+                reason = m["message"]
+                shown += f" ({reason[:157] + '...' if len(reason) > 160 else reason})"
             lines.append(f"  [{m['status']}] {' '.join(m['overrides']) or '(no overrides)'} {shown}".rstrip())
         return "\n".join(lines)
 

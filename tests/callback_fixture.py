@@ -14,10 +14,13 @@ def _record(line: str) -> None:
 
 
 class Recorder:
-    """Writes every event it sees, with its step, to $HOOK_LOG."""
+    """Writes every event it sees, with its step, to $HOOK_LOG; raises at step $HOOK_FAIL_AT (of
+    the runs with seed $HOOK_FAIL_SEED, when set)."""
 
     def __init__(self, spec) -> None:
         self.fail_at = int(os.environ.get("HOOK_FAIL_AT", "0"))
+        if int(os.environ.get("HOOK_FAIL_SEED", spec.seed)) != spec.seed:
+            self.fail_at = 0
 
     def __getattr__(self, event: str):
         if not event.startswith("on_"):

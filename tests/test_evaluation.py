@@ -428,3 +428,28 @@ def test_best_k_ranking_survives_reopening_the_checkpoints(tmp_path: Path) -> No
     save(again, 6, 0.5)
     again.close()
     assert again.steps() == [2, 6]
+
+
+def test_run_objective_must_be_a_metric_the_run_logs(tmp_path: Path) -> None:
+    """A sweep's objective that nothing logs would make every member return NaN: refused before
+    training, naming the evaluators that would log it; what is logged is accepted."""
+    spec = spec_for
+    questions = tmp_path / "hella.jsonl"
+    questions.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 0}) + "\n")
+    with pytest.raises(ConfigError) as info:
+        spec("run.objective=eval/mc/acc")  # the README's example, without its evaluator
+    assert info.value.key == "run.objective" and "multiple_choice" in str(info.value)
+    assert "eval/stdlib/loss" in str(info.value)  # what the configured ones log
+    for ok in ("eval/stdlib/loss", "eval/stdlib/perplexity", "loss", "mfu", "goodput/percent"):
+        assert spec(f"run.objective={ok}").run.objective == ok
+    mc = f"eval.evaluators=[heldout,{{name:multiple_choice,path:{questions}}}]"
+    assert spec(mc, "run.objective=eval/hella/acc_norm")  # the label is the file's stem
+    labelled = f"eval.evaluators=[{{name:multiple_choice,path:{questions},label:mc}}]"
+    assert spec(labelled, "run.objective=eval/mc/acc")
+    for bad in ("eval/hella/accuracy", "eval/mc/acc", "lss"):
+        with pytest.raises(ConfigError) as info:
+            spec(mc, f"run.objective={bad}")
+        assert info.value.key == "run.objective"
+    # an evaluator that does not say what it logs (a user's) may log anything
+    echo = "eval.evaluators=[heldout,{name:'tests.test_evaluation:EchoEvaluator',options:{scale:2}}]"
+    assert spec(echo, "run.objective=eval/echo/scaled_step")

@@ -94,6 +94,9 @@ def trained(tmp_path_factory) -> Path:
     done = run_runner([*TINY, "run.dir=run", "train.steps=30", "eval.every=15", "optimizer.lr=1e-2", LM_EVALUATORS],
                       tmp, HF_HOME=str(tmp / "hf"), **OFFLINE)
     assert done.returncode == 0, done.stderr[-3000:]
+    # no third-party noise: datasets' progress bar, lm-eval's notes on the defaults it filled in
+    for noise in ("Generating test split", "examples/s", "aggregation is not", "higher_is_better is not", "\x1b["):
+        assert noise not in done.stderr, done.stderr[-3000:]
     return tmp
 
 

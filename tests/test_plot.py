@@ -10,7 +10,7 @@ from tests.conftest import TINY, run_runner, runner_env
 
 
 def test_plot_a_sweep_and_runs(tmp_path) -> None:
-    swept = run_runner(["-m", *TINY, "train.steps=4", "eval.every=2", "run.sweep=lr", "optimizer.lr=1e-3,1e-2"],
+    swept = run_runner(["-m", *TINY, "train.steps=4", "eval.every=2", "run.sweep=lr", "optimizer.lr=1e-3,0.0123456789012345"],
                        tmp_path)
     assert swept.returncode == 0, swept.stderr[-3000:]
     sweep = tmp_path / "runs" / "sweeps" / "lr"
@@ -21,15 +21,19 @@ def test_plot_a_sweep_and_runs(tmp_path) -> None:
 
     result = plot(str(sweep), "--out", "sweep.png")
     assert result.returncode == 0, result.stderr
-    assert "2 run(s); panels: train loss, held-out stdlib/loss, learning rate" in result.stdout
-    assert "optimizer.lr=0.001:" in result.stdout and "optimizer.lr=0.01:" in result.stdout
+    assert "2 run(s); panels: train loss, held-out loss: stdlib, learning rate" in result.stdout
+    assert "optimizer.lr=0.001:" in result.stdout and "optimizer.lr=0.01235:" in result.stdout  # rounded
     import matplotlib.image
 
     picture = matplotlib.image.imread(tmp_path / "sweep.png")
     assert picture.shape[0] > 600 and picture.shape[1] > 600 and picture.std() > 0.05  # drawn, not blank
 
     runs = load_runs([str(sweep)])
-    assert sorted(run.label for run in runs) == ["optimizer.lr=0.001", "optimizer.lr=0.01"]
+    assert sorted(run.label for run in runs) == ["optimizer.lr=0.001", "optimizer.lr=0.01235"]
+    from runner.plot import panel_title
+
+    assert panel_title("eval/hellaswag/acc") == "accuracy: hellaswag"  # not "held-out"
+    assert panel_title("eval/lm_eval/mini_mc/acc_norm") == "accuracy, length-normalised: lm_eval/mini_mc"
     for run in runs:
         assert run.series("loss", "step")[0] == [1, 2, 3, 4]
         assert run.series("eval/stdlib/loss", "step")[0] == [0, 2, 4]

@@ -240,3 +240,25 @@ def test_save_policy_keeps_the_newest_k_plus_every_pth(tmp_path) -> None:
                          "checkpoint.keep_every=8"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert ckpt_steps(tmp_path / "steps") == [8, 16, 20, 24]  # newest 2, plus every 8th for good
+
+
+def test_wandb_history_after_sigkills_equals_metrics_jsonl(tmp_path) -> None:
+    """SIGKILLs at random steps (a seeded draw), then a clean finish: every step metrics.jsonl holds
+    is in wandb's offline history, and nothing else; a resumed launch gives wandb the steps up to
+    its checkpoint that a killed launch's wandb never wrote."""
+    import random
+
+    from runner.wandb_history import history_steps
+
+    args = [*TINY, "train.steps=24", "checkpoint.every_steps=4", "checkpoint.async_save=false", "eval.every=8",
+            "logging.wandb=offline", "run.dir=run"]
+    kills = sorted(random.Random(27).sample(range(5, 23), 3))
+    for step in kills:
+        killed = run_runner(args, tmp_path, RUNNER_FAULT=f"kill_at_step:{step}")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = run_runner(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [run_id] = {d.name.rsplit("-", 1)[-1] for d in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    logged = {r["step"] for r in read_metrics(tmp_path / "run") if any(k != "step" for k in r)}
+    assert history_steps(tmp_path / "run" / "wandb", run_id) == logged
+    assert logged == set(range(0, 25))

@@ -12,7 +12,7 @@ from runner.errors import ConfigError
 from runner.job import load_job_modules
 from runner.config import build_spec
 from runner.spec import ExecutionSpec, derive_run_dir, register_schema, spec_from_dict
-from tests.conftest import run_runner
+from tests.conftest import TINY, run_runner
 
 register_schema()
 load_job_modules()
@@ -97,19 +97,43 @@ def test_validation_errors_name_the_key(overrides: list[str], key: str, needle: 
     (["job=gpt_huge"], "gpt_tiny"),
     (["optimizer.lr=0"], "optimizer.lr"),
     (["optimizer.name=adamq"], "adamw, "),
+    (["optimizer.lr=abc"], "could not be converted to Float"),  # Hydra's cause kept
+    (["--cfg", "job", "train.stepz=3"], "runner has no setting of that name"),  # --cfg: runner's paragraph
+    (["--cfg", "job", "optimizer.b1=1.5"], "optimizer.b1"),  # --cfg checks the spec as a run does
 ])
 def test_cli_user_errors_exit_2_without_traceback(tmp_path, args: list[str], needle: str) -> None:
     result = run_runner(args, tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
-    assert needle in result.stderr
+    assert needle in result.stderr and "+train" not in result.stderr  # never advice runner then refuses
     assert not (tmp_path / "runs").exists()  # nothing written for a rejected config
 
 
 def test_cfg_job_prints_the_resolved_config(tmp_path) -> None:
-    result = run_runner(["--cfg", "job", "train.steps=17"], tmp_path, timeout=120)
+    result = run_runner(["--cfg", "job", "train.steps=17", "optimizer=lion"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "steps: 17" in result.stdout and "trainer: gpt" in result.stdout
+    assert "  lr: 0.0003\n" in result.stdout and "${" not in result.stdout  # the job's lion rate, resolved
+
+
+def test_refusals_found_after_the_run_directory_is_made_leave_none_behind(tmp_path) -> None:
+    """A mesh the devices cannot make, missing or garbage data, a vocabulary too small for it, a
+    missing warm start: exit 2 with the paragraph, and the directory this launch made is gone; a
+    run directory with a run in it is never removed."""
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "metadata.json").write_text("not json")
+    cases = [("mesh.data=3", "mesh"), ("data.sources=[{path:nowhere}]", "no token store"),
+             (f"data.sources=[{{path:{tmp_path / 'garbage'}}}]", "garbage"),
+             ("job.model.vocab_size=10", "job.model.vocab_size"), ("run.init_from=nowhere", "run.init_from"),
+             ("data.sources=[{path:default,weight:-1}]", "weight")]
+    for override, needle in cases:
+        result = run_runner([*TINY, override, "run.dir=run", "train.steps=1"], tmp_path)
+        assert result.returncode == 2 and needle in result.stderr, (override, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr and not (tmp_path / "run").exists(), override
+    ok = run_runner([*TINY, "run.dir=run", "train.steps=1", "eval.every=0"], tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    again = run_runner([*TINY, "run.dir=run", "train.steps=2", "mesh.data=3"], tmp_path)
+    assert again.returncode == 2 and (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
 def test_several_processes_without_a_coordinator_name_the_missing_key(monkeypatch) -> None:
@@ -142,3 +166,25 @@ def test_new_key_and_lone_process_count_exit_2_from_the_command_line(tmp_path) -
         assert result.returncode == 2, result.stderr[-2000:]
         assert key in result.stderr and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1  # one paragraph
+
+
+# The rule (README, `optimizer`): a job states its AdamW rate; Adafactor trains at the same, Lion at a
+# tenth (Lion's authors: 3-10x smaller); SGD and Muon, whose rates are not on Adam's scale, at their
+# group's own.
+GROUP_LR = {"sgd": 0.1, "muon": 0.02}
+
+
+def test_every_optimizer_on_every_job_resolves_to_its_intended_learning_rate() -> None:
+    import yaml
+
+    from runner.optim import OPTIMIZERS
+
+    jobs = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))
+    assert set(OPTIMIZERS.names()) == {"adamw", "adafactor", "lion", "sgd", "muon"}
+    for job in jobs:
+        adamw = float(yaml.safe_load((CONF_DIR / "job" / f"{job}.yaml").read_text())["job"]["lr"]["adamw"])
+        intended = {"adamw": adamw, "adafactor": adamw, "lion": adamw / 10, **GROUP_LR}
+        for name in OPTIMIZERS.names():
+            spec = spec_for(f"job={job}", f"optimizer={name}", "topology=cpu-1")
+            assert spec.optimizer.lr == pytest.approx(intended[name]), (job, name)
+        assert spec_for(f"job={job}", "optimizer=lion", "optimizer.lr=0.25", "topology=cpu-1").optimizer.lr == 0.25

@@ -59,12 +59,13 @@ def test_a_crashed_sweep_resumes_unfinished_members(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("mistake, message", [
-    ("optimizer.lrr=1e-3,1e-2", "Could not override 'optimizer.lrr'"),  # a typo
+    ("optimizer.lrr=1e-3,1e-2", "`optimizer.lrr`: runner has no setting of that name"),  # a typo
     ("+new_key=1", "runner has no setting of that name"),
     ("seed=1,abc", "seed=abc"),  # a wrong type in the second member
     ("optimizer.name=adamw,nope", "there is no optimizer of that name"),
     ("job.model.n_heads=2,3", "does not divide d_model"),
     ("~seed", "deletes a setting"),
+    ("run.objective=eval/mc/acc", "no configured evaluator logs it"),  # every member would return NaN
 ])
 def test_every_member_is_checked_before_any_trains(tmp_path, mistake, message) -> None:
     """A sweep gets the single run's exit-2 paragraph for a mistake in any member, before the first
@@ -97,3 +98,87 @@ def test_optuna_optimizes_the_run_objective(tmp_path) -> None:
     again = run_runner([*args[:-4], "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=2", *args[-2:]], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(json.loads((root / "summary.json").read_text())["members"]) == 5  # every member ever run
+
+
+def test_a_diverging_or_raising_member_is_recorded_and_the_others_train(tmp_path) -> None:
+    """The NaN guard's stop and a raising hook are a member's failure, not the sweep's: recorded with
+    their reason and no objective, the other members train, the table prints, exit 1; a rerun
+    skips the finished member and fails the others again without blocking it."""
+    args = ["-m", *TINY, "train.steps=6", "eval.every=0", "run.sweep=s1", "optimizer.clip_norm=null",
+            "schedule.warmup_steps=0", "optimizer.lr=1e6,1e-3", "seed=0,1", "callbacks=[tests.callback_fixture:Recorder]"]
+    env = {"HOOK_LOG": str(tmp_path / "hooks.log"), "HOOK_FAIL_AT": "3", "HOOK_FAIL_SEED": "1"}
+    for attempt in range(2):
+        result = run_runner(args, tmp_path, **env)
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        members = {(m["overrides"][-3], m["overrides"][-2]): m for m in summary(tmp_path)}
+        assert len(members) == 4
+        ok = members[("optimizer.lr=0.001", "seed=0")]
+        assert ok["status"] == ("finished" if attempt == 0 else "skipped (already finished)")
+        assert isinstance(ok["objective"], float)
+        hooked = members[("optimizer.lr=0.001", "seed=1")]
+        if attempt == 0:
+            assert hooked["status"] == "failed" and "boom" in hooked["message"] and hooked["objective"] is None
+        else:  # resumed from its last good state, past the step its hook raised at
+            assert hooked["status"] == "finished"
+        for key in (("optimizer.lr=1000000.0", "seed=0"), ("optimizer.lr=1000000.0", "seed=1")):
+            m = members[key]  # the NaN guard stops it again, every time
+            assert m["status"] == "failed" and m["objective"] is None, m
+            assert "non-finite" in m["message"] or "boom" in m["message"], m["message"]
+        assert f"s1: 4 members, {3 - attempt} failed" in result.stdout
+        assert "eval/stdlib/loss nan" in result.stdout
+
+
+def test_optuna_records_a_failed_trial_and_goes_on(tmp_path) -> None:
+    """A diverging trial is a failed trial in Optuna's study (not a NaN told to it, which optuna
+    refuses): the sweep finishes its trials and writes its best, exit 1 for the failure."""
+    import yaml
+
+    args = ["-m", *TINY, "train.steps=4", "eval.every=0", "run.sweep=opt", "hydra/sweeper=optuna",
+            "hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=2", "optimizer.clip_norm=null",
+            "schedule.warmup_steps=0", "optimizer.lr=choice(1e6,1e-3)", "run.objective=eval/stdlib/loss"]
+    result = run_runner(args, tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Failed experiment" in result.stderr
+    assert "\x1b[" not in result.stderr  # Optuna's colours only on a terminal
+    root = tmp_path / "runs" / "sweeps" / "opt"
+    best = yaml.safe_load((root / "optimization_results.yaml").read_text())
+    assert best["best_params"]["optimizer.lr"] == 1e-3
+    statuses = sorted(m["status"] for m in json.loads((root / "summary.json").read_text())["members"])
+    assert statuses == ["failed", "finished"]
+
+
+def test_the_same_sweep_command_finds_the_same_sweep() -> None:
+    """Value order does not make another sweep; Optuna gets a sampler seed derived from the sweep
+    unless one is given."""
+    from runner.sweep import sampler_seed, sweep_root
+
+    assert sweep_root(["-m", "optimizer=lion,adamw", "optimizer.lr=1e-3,1e-2"]) == \
+        sweep_root(["-m", "optimizer.lr=1e-2,1e-3", "optimizer=adamw,lion"])
+    assert sweep_root(["-m", "optimizer=lion,adamw"]) != sweep_root(["-m", "optimizer=lion,sgd"])
+    optuna = ["-m", "hydra/sweeper=optuna", "optimizer.lr=interval(1e-4,1e-2)"]
+    assert sampler_seed(optuna) == sampler_seed(optuna) and sampler_seed(optuna)[0].startswith(
+        "hydra.sweeper.sampler.seed=")
+    assert sampler_seed([*optuna, "seed=1"]) != sampler_seed(optuna)  # another sweep, another seed
+    assert sampler_seed([*optuna, "hydra.sweeper.sampler.seed=7"]) == []  # the user's is kept
+    assert sampler_seed(["-m", "optimizer.lr=1e-3,1e-2"]) == []  # the basic sweeper has no sampler
+    assert sampler_seed([*optuna, "hydra/sweeper/sampler=grid"]) == []  # nor has a grid a seed
+
+
+def test_rerunning_an_optuna_sweep_finds_its_finished_trials(tmp_path) -> None:
+    """The README's Optuna command, run twice with no seed: the second asks the same trials, finds
+    each member finished, and its optimization_results.yaml covers the whole sweep."""
+    import yaml
+
+    args = ["-m", *TINY, "train.steps=2", "eval.every=0", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.direction=minimize", "optimizer.lr=interval(1e-4,1e-2)"]
+    first = run_runner(args, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    [root] = (tmp_path / "runs" / "sweeps").iterdir()
+    best = yaml.safe_load((root / "optimization_results.yaml").read_text())
+    again = run_runner(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    members = json.loads((root / "summary.json").read_text())["members"]
+    assert len(members) == 2 and all(m["status"] == "skipped (already finished)" for m in members)
+    assert yaml.safe_load((root / "optimization_results.yaml").read_text()) == best
+    assert "step 1/" not in again.stdout  # nothing trained again

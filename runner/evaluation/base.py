@@ -120,7 +120,7 @@ class EvaluatorBase:
         self.settings = settings or EvaluatorSpec(name=self.name)
         self.every: int = spec.eval.every if self.settings.every is None else self.settings.every
         self.rows: int = spec.eval.rows if self.settings.rows is None else self.settings.rows
-        self.label: str = self.settings.label or self.default_label
+        self.label: str = self.label_for(self.settings)
         self._texts: dict[str, str] = {}
 
     @property
@@ -132,6 +132,23 @@ class EvaluatorBase:
     def key(self, metric: str) -> str:
         """A metric name under this evaluator's label."""
         return f"{self.label}/{metric}" if self.label else metric
+
+    # The metric names it logs below its label, as fnmatch patterns ("*/loss"): what run.objective
+    # is checked against before training. None: unknown (a user's evaluator may log anything).
+    metrics: Optional[tuple[str, ...]] = None
+
+    @classmethod
+    def label_for(cls, settings: EvaluatorSpec) -> str:
+        """The label its metrics are logged under: the one set, else the evaluator's own."""
+        return settings.label or cls.default_label
+
+    @classmethod
+    def metric_patterns(cls, settings: EvaluatorSpec, spec: "ExecutionSpec") -> tuple[str, ...] | None:
+        """`eval/<label>/<metric>` patterns these settings log (None: unknown)."""
+        if cls.metrics is None:
+            return None
+        label = cls.label_for(settings)
+        return tuple(f"eval/{label}/{m}" if label else f"eval/{m}" for m in cls.metrics)
 
     def prepare(self, context: Any) -> None:
         """Load and check data once, before the first evaluation."""
@@ -210,11 +227,52 @@ def replicated(ctx: Any) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(ctx.mesh, jax.sharding.PartitionSpec())
 
 
+# What training logs at every logged step (runner.metrics), and the prefixes of what it may log
+# besides: a run.objective that is not an evaluator's is one of these.
+TRAIN_METRICS = ("loss", "lr", "grad_norm", "tokens", "tokens_seen", "tokens_per_s", "tokens_per_s_per_device",
+                 "tflops_per_device", "mfu", "step_time_s", "data_wait_s", "nonfinite", "skipped", "spike")
+TRAIN_PREFIXES = ("goodput/", "param_norm/", "update_norm/")
+
+
 def check_spec(spec: "ExecutionSpec") -> None:
-    """The eval section: every evaluator exists, and passes its own `check` of its settings."""
+    """The eval section: every evaluator exists, and passes its own `check` of its settings; and
+    run.objective names a metric something logs."""
+    classes = []
     for i, ev in enumerate(spec.eval.evaluators):
         key = f"eval.evaluators[{i}]"
         cls = evaluator_class(ev.name, f"{key}.name")
+        classes.append(cls)
         check = getattr(cls, "check", None)
         if callable(check):  # an evaluator's own checks of its settings (files, prompts, ...)
             check(spec, ev, key)
+    check_objective(spec, classes)
+
+
+def check_objective(spec: "ExecutionSpec", classes: Sequence[type]) -> None:
+    """run.objective must be a metric the run logs: a training metric, or one a configured evaluator
+    logs (when the evaluators say what they log). A sweep whose every member would return NaN is
+    refused before any trains, naming the evaluators that would log it."""
+    import fnmatch
+
+    name = spec.run.objective
+    if not name:
+        return
+    if not name.startswith("eval/"):
+        if name in TRAIN_METRICS or name.startswith(TRAIN_PREFIXES):
+            return
+        raise ConfigError("run.objective", name, "training logs no metric of that name, and evaluators' metrics "
+                          "start with eval/.", f"use one of: {', '.join(TRAIN_METRICS)}, or an evaluator's "
+                          "eval/<label>/<metric> (e.g. eval/stdlib/loss).")
+    patterns = [cls.metric_patterns(ev, spec) if hasattr(cls, "metric_patterns") else None
+                for cls, ev in zip(classes, spec.eval.evaluators)]
+    if any(p is None for p in patterns) or any(fnmatch.fnmatchcase(name, p) for ps in patterns for p in ps):
+        return
+    logged = sorted({p for ps in patterns for p in ps})
+    metric = name.rsplit("/", 1)[-1]
+    would = sorted(n for n in EVALUATORS.names() if metric in (getattr(EVALUATORS.get(n), "metrics", None) or ())
+                   or any(m.endswith("*") for m in getattr(EVALUATORS.get(n), "metrics", None) or ()))
+    raise ConfigError("run.objective", name, f"no configured evaluator logs it (eval.evaluators log "
+                      f"{', '.join(logged) or 'nothing'}), so every sweep member would return NaN.",
+                      f"choose a metric they log, or add an evaluator that logs {metric!r} with the label in the "
+                      f"name ({', '.join(would) or 'none registered'}; e.g. eval.evaluators=[heldout,"
+                      "{name:multiple_choice,label:mc,path:QUESTIONS.jsonl}] for eval/mc/acc).")

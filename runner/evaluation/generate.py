@@ -74,6 +74,7 @@ def generate_tokens(apply_fn: Callable[..., Any], params: Any, prompt: jax.Array
 @EVALUATORS.register("generate")
 class Generate(EvaluatorBase):
     name = "generate"
+    metrics = ("new_tokens",)
     default_label = "generate"
 
     def __init__(self, spec: ExecutionSpec, settings: Optional[EvaluatorSpec] = None) -> None:

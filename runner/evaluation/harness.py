@@ -40,6 +40,7 @@ def _lm_eval_installed() -> bool:
 @EVALUATORS.register("lm_eval")
 class LmEval(EvaluatorBase):
     name = "lm_eval"
+    metrics = ("*",)  # <task>/<metric>, per task
     default_label = "lm_eval"
 
     def __init__(self, spec: ExecutionSpec, settings: Optional[EvaluatorSpec] = None) -> None:
@@ -112,7 +113,11 @@ class LmEval(EvaluatorBase):
         return flat_metrics(out["results"], self.key)
 
 
-NOISE = ("it/s]", "s/it]", "fatal: not a git repository")  # progress bars; lm-eval asking git for its commit
+# progress bars (tqdm's, and datasets' "Generating test split: N examples [..., N examples/s]"); lm-eval
+# asking git for its commit; lm-eval's notes that it filled in its documented defaults for a task YAML
+# that leaves a metric's aggregation (mean) or direction (higher is better) out
+NOISE = ("it/s]", "s/it]", "examples/s]", "fatal: not a git repository", "but aggregation is not. using default",
+         "but higher_is_better is not. using default")
 
 
 @contextlib.contextmanager
@@ -133,7 +138,8 @@ def filtered_stderr(said: set[str]) -> Iterator[None]:
             os.close(saved)
             collected.seek(0)
             lines = collected.read().decode("utf-8", "replace").splitlines(keepends=True)
-            kept = [line for line in lines if not any(n in line for n in NOISE) and line not in said]
+            kept = [line for line in lines
+                    if line.strip() and not any(n in line for n in NOISE) and line not in said]
             said.update(kept)
             if kept:
                 sys.stderr.write("".join(kept))

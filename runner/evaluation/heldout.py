@@ -26,6 +26,28 @@ from runner.spec import EvaluatorSpec, ExecutionSpec
 @EVALUATORS.register("heldout")
 class HeldOutLoss(EvaluatorBase):
     name = "heldout"
+    metrics = ("*/loss", "*/perplexity", "*/accuracy", "*/bits_per_byte", "*/bits_per_token")
+
+    @classmethod
+    def metric_patterns(cls, settings: EvaluatorSpec, spec: ExecutionSpec) -> tuple[str, ...] | None:
+        """Per validation source (by name) of a mixture, and `all` when there are several."""
+        patterns = super().metric_patterns(settings, spec) or ()
+        if spec.data.strategy != "mixture":
+            return patterns
+        from runner.data.store import TokenStore
+
+        names = []
+        for source in spec.data.sources:
+            if source.name or source.path in ("", "default"):
+                names.append(source.name or "stdlib")
+                continue
+            try:
+                names.append(TokenStore.open(source.path).name)
+            except Exception:  # the data check reports a bad store; here it only widens the patterns
+                return patterns
+        if len(names) > 1:
+            names.append("all")
+        return tuple(p.replace("*/", f"{name}/", 1) for p in patterns for name in names)
 
     def __init__(self, spec: ExecutionSpec, settings: Optional[EvaluatorSpec] = None) -> None:
         super().__init__(spec, settings)

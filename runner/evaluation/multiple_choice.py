@@ -105,14 +105,18 @@ def accuracies(loglikelihoods: Sequence[Sequence[float]], choices: Sequence[Sequ
 @EVALUATORS.register("multiple_choice")
 class MultipleChoice(EvaluatorBase):
     name = "multiple_choice"
+    metrics = ("acc", "acc_norm", "questions")
 
     def __init__(self, spec: ExecutionSpec, settings: Optional[EvaluatorSpec] = None) -> None:
         super().__init__(spec, settings)
-        self.label = self.settings.label or Path(self.settings.path).stem or "multiple_choice"
         self._questions: list[Question] | None = None
         self._batches: list[dict[str, np.ndarray]] = []
         self._scorer: Scorer | None = None
         self.loglikelihoods: list[np.ndarray] = []
+
+    @classmethod
+    def label_for(cls, settings: EvaluatorSpec) -> str:
+        return settings.label or Path(settings.path).stem or "multiple_choice"
 
     @classmethod
     def check(cls, spec: ExecutionSpec, settings: EvaluatorSpec, key: str) -> None:
