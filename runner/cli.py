@@ -48,6 +48,10 @@ def _quiet_libraries(log_to_stderr: bool = True) -> None:
         os.environ.setdefault("NO_COLOR", "1")
     if log_to_stderr:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # orbax reads a checkpoint's shards in asyncio tasks: when one fails (a damaged file), the
+    # others' exceptions are logged at exit as "never retrieved", each with a traceback, after
+    # runner's own paragraph about the damaged checkpoint
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         from absl import logging as absl_logging
 
