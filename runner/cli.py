@@ -48,10 +48,6 @@ def _quiet_libraries(log_to_stderr: bool = True) -> None:
         os.environ.setdefault("NO_COLOR", "1")
     if log_to_stderr:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # orbax reads a checkpoint's shards in asyncio tasks: when one fails (a damaged file), the
-    # others' exceptions are logged at exit as "never retrieved", each with a traceback, after
-    # runner's own paragraph about the damaged checkpoint
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         from absl import logging as absl_logging
 
@@ -64,8 +60,16 @@ def _quiet_libraries(log_to_stderr: bool = True) -> None:
 
 
 def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
-    """Print one paragraph to stderr and exit."""
+    """Print one paragraph to stderr and exit. What the interpreter reports after it while
+    exiting, about coroutines or threads the failure abandoned (orbax's readers of a damaged
+    checkpoint: "Exception ignored in: <coroutine ...>" with a traceback), is left out: the
+    paragraph already says what went wrong."""
     print("error: " + " ".join(message.split()), file=sys.stderr, flush=True)
+    if not _is_command or _in_sweep_process:  # in-process (a tool, a test), or a sweep that goes on
+        sys.exit(code)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # asyncio's "never retrieved", "Exception ignored in <coroutine>", "Event loop is closed"
+    sys.stderr = open(os.devnull, "w")
     sys.exit(code)
 
 
@@ -332,8 +336,12 @@ def command_line_overrides(argv: Sequence[str]) -> list[str]:
     return out
 
 
+_is_command = False  # True in `python -m runner` / `runner`: fail() may then silence the process's stderr
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    global _in_sweep_process
+    global _in_sweep_process, _is_command
+    _is_command = True
     from runner import goodput
 
     goodput.mark_launch()
