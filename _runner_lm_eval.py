@@ -5,7 +5,7 @@ installs `runner-lm-eval.pth`, which imports this module when Python starts. It 
 neither lm-eval nor runner: it only puts a finder on `sys.meta_path`. When something first
 imports `lm_eval.api.registry`, the finder lets it load, then imports lm-eval's own model table
 (`lm_eval.models`: `get_model` reads it only into an empty registry) and registers "runner" as
-lm-eval's documented lazy placeholder, "runner.evaluation.lm_checkpoint:CheckpointLM". Nothing
+lm-eval's documented lazy placeholder, "runner.main.lm_eval:CheckpointLM". Nothing
 here may ever break an unrelated program: any failure is one line on stderr.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 REGISTRY = "lm_eval.api.registry"
-NAME, TARGET = "runner", "runner.evaluation.lm_checkpoint:CheckpointLM"
+NAME, TARGET = "runner", "runner.main.lm_eval:CheckpointLM"
 
 
 def register(registry: object) -> None:

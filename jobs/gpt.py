@@ -7,10 +7,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from runner.job import JOBS
+from runner.train.job import JOBS
 from runner.models import family_for, import_hf_params, model_config
 from runner.spec import ExecutionSpec
-from runner.trainer import BaseTrainer
+from runner.train.trainer import BaseTrainer
 
 
 @JOBS.register("lm")

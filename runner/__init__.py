@@ -1,6 +1,6 @@
 """runner: a job-spec driven, restorable pretraining runner for JAX language models."""
 
-from runner.storage import configure_endpoint
+from runner.checkpoint.storage import configure_endpoint
 
 __version__ = "0.1.0"
 

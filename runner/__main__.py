@@ -1,5 +1,5 @@
-"""`python -m runner job=... topology=...`: see runner.cli."""
+"""`python -m runner job=... topology=...`: see runner.main.cli."""
 
-from runner.cli import main
+from runner.main.cli import main
 
 main()

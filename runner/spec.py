@@ -348,7 +348,7 @@ class ExecutionSpec(_Frozen):
     run: RunSpec = field(default_factory=RunSpec)
     guard: GuardSpec = field(default_factory=GuardSpec)
     debug: DebugSpec = field(default_factory=DebugSpec)
-    callbacks: tuple[str, ...] = ()  # import paths of callback classes (see runner.callbacks)
+    callbacks: tuple[str, ...] = ()  # import paths of callback classes (see runner.train.callbacks)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -420,7 +420,7 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def validate(spec: ExecutionSpec) -> None:
     """Reject every bad value the spec alone can judge (ranges, choices, one key against
-    another). The components check their own sections (runner.config). Raises ConfigError."""
+    another). The components check their own sections (runner.main.config). Raises ConfigError."""
 
     _one_of("mode", spec.mode, MODES)
 
@@ -552,7 +552,7 @@ def unknown_keys(cfg: Any, schema: type | None = None, prefix: str = "") -> list
 def resolve_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] = (),
                  sweep_root: str | None = None) -> ExecutionSpec:
     """Composed config -> frozen ExecutionSpec with its run directory filled in and its values
-    checked (`validate`); runner.config.build_spec adds the components' checks.
+    checked (`validate`); runner.main.config.build_spec adds the components' checks.
 
     A sweep member's directory lies under its sweep's root, named by the member's overrides."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.topology import CHIPS, aot_topology_args, parse_topology
+from runner.parallel.topology import CHIPS, aot_topology_args, parse_topology
 from tests.conftest import TINY, run_runner, runner_env
 
 needs_libtpu = pytest.mark.skipif(

@@ -84,7 +84,7 @@ def test_cudnn_agrees_in_bfloat16(kv_heads: int) -> None:
 SHARDED = """
 import json, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from tests.test_attention import qkv_and_segments, outputs_and_grads
-from runner.mesh import make_mesh
+from runner.parallel.mesh import make_mesh
 from runner.models.llama import axis_rules, LlamaConfig
 mesh = make_mesh({"data": 2, "fsdp": 1, "tensor": 2})
 errors = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.compile_cache import directory
+from runner.parallel.compile_cache import directory
 from tests.conftest import TINY, read_metrics, run_runner
 
 ARGS = [*TINY, "train.steps=3", "eval.every=0"]

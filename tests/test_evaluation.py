@@ -18,19 +18,19 @@ import optax
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.cli import CONF_DIR, CONFIG_NAME
+from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.errors import ConfigError, UserError
 from runner.evaluation import build_evaluators
 from runner.evaluation.generate import Generate, generate_tokens
 from runner.evaluation.heldout import HeldOutLoss
 from runner.evaluation.multiple_choice import MultipleChoice
-from runner.job import JOBS, load_job_modules
+from runner.train.job import JOBS, load_job_modules
 from runner.models.gpt import GPT, GPTConfig
-from runner.config import build_spec
+from runner.main.config import build_spec
 from runner.evaluation.base import EvalContext
 from runner.spec import EvaluatorSpec, ExecutionSpec, register_schema, spec_from_dict
-from runner.steps import make_val_step, val_step
-from runner.state import TrainState
+from runner.train.steps import make_val_step, val_step
+from runner.train.state import TrainState
 from tests.conftest import ROOT, TINY, read_metrics, run_runner
 
 register_schema()
@@ -404,7 +404,7 @@ def test_eval_user_errors_exit_2_without_traceback(tmp_path: Path, args: list[st
 
 
 def test_best_k_ranking_survives_reopening_the_checkpoints(tmp_path: Path) -> None:
-    from runner.checkpoint import Checkpointer
+    from runner.checkpoint.checkpointer import Checkpointer
     from runner.spec import CheckpointSpec
 
     spec = CheckpointSpec(every_steps=0, keep=1, keep_best=2, best_metric="stdlib/loss", best_mode="min")

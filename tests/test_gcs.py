@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from runner import storage
+from runner.checkpoint import storage
 from tests.conftest import TINY, read_metrics, run_runner, runner_env
 from tests.test_restore import (  # noqa: F401 (reference: the same run on a local disk, a fixture)
     BASE, STEPS, assert_same_run as assert_same_as_reference, assert_tensorboard_matches_metrics, goodput_of, reference)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.goodput import Goodput, summary_line
+from runner.observability.goodput import Goodput, summary_line
 
 
 class Clock:

@@ -19,13 +19,13 @@ from hydra import compose, initialize_config_dir
 import torch  # the test extra installs torch and transformers
 import transformers
 
-from runner import hf
-from runner.cli import CONF_DIR, CONFIG_NAME
-from runner.config import build_spec
+from runner.models import hf
+from runner.main.cli import CONF_DIR, CONFIG_NAME
+from runner.main.config import build_spec
 from runner.errors import ConfigError, UserError
 from runner.evaluation.generate import generate_tokens
-from runner.export import export
-from runner.job import JOBS, load_job_modules
+from runner.main.export import export
+from runner.train.job import JOBS, load_job_modules
 from runner.models import family_for
 from runner.spec import register_schema
 from tests.conftest import TINY, read_metrics, run_runner

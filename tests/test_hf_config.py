@@ -29,13 +29,13 @@ import torch
 import transformers
 from hydra import compose, initialize_config_dir
 
-from runner import hf
-from runner.cli import CONF_DIR, CONFIG_NAME
-from runner.config import build_spec
+from runner.models import hf
+from runner.main.cli import CONF_DIR, CONFIG_NAME
+from runner.main.config import build_spec
 from runner.errors import ConfigError, UserError
 from runner.evaluation.generate import generate_tokens
-from runner.export import export
-from runner.job import JOBS, load_job_modules
+from runner.main.export import export
+from runner.train.job import JOBS, load_job_modules
 from runner.models import family_for, gpt_hf, import_hf_params, llama_hf
 from runner.spec import register_schema
 from tests.conftest import TINY as TINY_WITH_DIMS, run_runner

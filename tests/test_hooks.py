@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from runner.guards import GuardMonitor, guard_update, initial_guard_state
+from runner.train.guards import GuardMonitor, guard_update, initial_guard_state
 from runner.spec import GuardSpec, ModelSpec, scaled_model
 from tests.conftest import start_runner_until, TINY, read_metrics, run_runner
 from tests import wandb_records

@@ -293,11 +293,11 @@ def test_lm_eval_finds_runner_and_keeps_its_own_models(tmp_path: Path) -> None:
     # lm-eval's built-in models are all still there.
     code = ("from lm_eval.api.registry import get_model, model_registry; from lm_eval.models import MODEL_MAPPING; "
             "assert set(MODEL_MAPPING) <= set(model_registry), 'built-ins lost'; "
-            "import sys; assert 'runner.evaluation.lm_checkpoint' not in sys.modules; "
+            "import sys; assert 'runner.main.lm_eval' not in sys.modules; "
             "print(get_model('runner').__module__, get_model('dummy').__name__)")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["runner.evaluation.lm_checkpoint", "DummyLM"]
+    assert done.stdout.split() == ["runner.main.lm_eval", "DummyLM"]
 
 
 def test_a_built_wheel_carries_the_lm_eval_hook(tmp_path: Path) -> None:

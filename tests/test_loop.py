@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runner.checkpoint import Checkpointer, SavePolicy
+from runner.checkpoint.checkpointer import Checkpointer, SavePolicy
 from runner.errors import UserError
-from runner.hooks import Checkpoints, Evaluation, StopRequests
-from runner.loop import Component, Loop
+from runner.train.hooks import Checkpoints, Evaluation, StopRequests
+from runner.train.loop import Component, Loop
 from runner.spec import CheckpointSpec, ExecutionSpec, TrainSpec
-from runner.stopping import StopConditions
+from runner.train.stopping import StopConditions
 
 
 class Clock:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from runner.errors import ConfigError, UserError
-from runner.mesh import make_mesh, resolve_mesh_shape
+from runner.parallel.mesh import make_mesh, resolve_mesh_shape
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_make_mesh_rejects_bad_shapes_before_touching_devices():
 _SCRIPT = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp
-    from runner.mesh import (batch_sharding, make_mesh, microbatch_sharding,
+    from runner.parallel.mesh import (batch_sharding, make_mesh, microbatch_sharding,
                              resolve_mesh_shape)
     devices = jax.devices()
     shape = resolve_mesh_shape(-1, 2, 1, len(devices))

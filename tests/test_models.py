@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.cli import CONF_DIR, CONFIG_NAME
-from runner.config import build_spec
+from runner.main.cli import CONF_DIR, CONFIG_NAME
+from runner.main.config import build_spec
 from runner.errors import ConfigError
-from runner.job import load_job_modules
+from runner.train.job import load_job_modules
 from runner.models import family_for
 from runner.models.llama import Llama, LlamaConfig, axis_rules, rope_frequencies
 from runner.spec import register_schema

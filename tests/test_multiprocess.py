@@ -131,7 +131,7 @@ def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) 
 
 
 def test_when_jax_distributed_is_started(monkeypatch) -> None:
-    from runner.distributed import settings, spans_several_processes
+    from runner.parallel.distributed import settings, spans_several_processes
     from runner.spec import DistributedSpec
 
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS", "SLURM_JOB_ID",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from runner.plot import load_runs
+from runner.main.plot import load_runs
 from tests.conftest import TINY, run_runner, runner_env
 
 
@@ -30,7 +30,7 @@ def test_plot_a_sweep_and_runs(tmp_path) -> None:
 
     runs = load_runs([str(sweep)])
     assert sorted(run.label for run in runs) == ["optimizer.lr=0.001", "optimizer.lr=0.01235"]
-    from runner.plot import panel_title
+    from runner.main.plot import panel_title
 
     assert panel_title("eval/hellaswag/acc") == "accuracy: hellaswag"  # not "held-out"
     assert panel_title("eval/lm_eval/mini_mc/acc_norm") == "accuracy, length-normalised: lm_eval/mini_mc"

@@ -248,7 +248,7 @@ def test_wandb_history_after_sigkills_equals_metrics_jsonl(tmp_path) -> None:
     its checkpoint that a killed launch's wandb never wrote."""
     import random
 
-    from runner.wandb_history import history_steps
+    from runner.observability.wandb_history import history_steps
 
     args = [*TINY, "train.steps=24", "checkpoint.every_steps=4", "checkpoint.async_save=false", "eval.every=8",
             "logging.wandb=offline", "run.dir=run"]

@@ -24,7 +24,7 @@ DRY_RUN = ROOT / "tools" / "slurm_dry_run.py"
 def compose(monkeypatch: pytest.MonkeyPatch):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from runner.cli import CONF_DIR, CONFIG_NAME
+    from runner.main.cli import CONF_DIR, CONFIG_NAME
     from runner.spec import register_schema
 
     register_schema()
@@ -73,7 +73,7 @@ def test_dry_run_prints_the_sbatch_file() -> None:
     out = dry_run("job=gpt_small", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=8",
                   "hydra.launcher.gpus_per_node=8", "optimizer.lr=1e-3,3e-3", RUNNER_SLURM_PARTITION="a100")
     assert out.returncode == 0, out.stderr
-    from runner.sweep import sweep_root  # the directory `python -m runner -m <same overrides>` uses
+    from runner.main.sweep import sweep_root  # the directory `python -m runner -m <same overrides>` uses
 
     overrides = ["-m", "hydra/launcher=slurm", "job=gpt_small", "optimizer.lr=1e-3,3e-3"]
     folder = ROOT / sweep_root(overrides) / ".submitit"

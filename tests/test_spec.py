@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.cli import CONF_DIR, CONFIG_NAME
+from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.errors import ConfigError
-from runner.job import load_job_modules
-from runner.config import build_spec
+from runner.train.job import load_job_modules
+from runner.main.config import build_spec
 from runner.spec import ExecutionSpec, derive_run_dir, register_schema, spec_from_dict
 from tests.conftest import TINY, run_runner
 

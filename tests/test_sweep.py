@@ -153,7 +153,7 @@ def test_optuna_records_a_failed_trial_and_goes_on(tmp_path) -> None:
 def test_the_same_sweep_command_finds_the_same_sweep() -> None:
     """Value order does not make another sweep; Optuna gets a sampler seed derived from the sweep
     unless one is given."""
-    from runner.sweep import sampler_seed, sweep_root
+    from runner.main.sweep import sampler_seed, sweep_root
 
     assert sweep_root(["-m", "optimizer=lion,adamw", "optimizer.lr=1e-3,1e-2"]) == \
         sweep_root(["-m", "optimizer.lr=1e-2,1e-3", "optimizer=adamw,lion"])

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from runner.hooks import MetricsReport
-from runner.throughput import Throughput, chip_of
-from runner.topology import CHIPS, parse_topology
+from runner.train.hooks import MetricsReport
+from runner.observability.throughput import Throughput, chip_of
+from runner.parallel.topology import CHIPS, parse_topology
 
 
 def test_rates_are_per_device_and_against_the_peak() -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from runner.errors import ConfigError, UserError
-from runner.topology import CHIPS, aot_topology_args, check_devices, parse_topology
+from runner.parallel.topology import CHIPS, aot_topology_args, check_devices, parse_topology
 
 
 def _devices(n: int, platform: str = "cpu", hosts: int = 1) -> list[SimpleNamespace]:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.cli import CONF_DIR, CONFIG_NAME
-from runner.job import JOBS, load_job_modules
-from runner.config import build_spec
+from runner.main.cli import CONF_DIR, CONFIG_NAME
+from runner.train.job import JOBS, load_job_modules
+from runner.main.config import build_spec
 from runner.spec import register_schema
 from tests.conftest import TINY
 
@@ -100,7 +100,7 @@ def test_sharded_init_returns_variables_and_shardings(trainer) -> None:
 
 def test_time_interval_below_a_second_is_kept() -> None:
     """checkpoint.every_minutes is a float: 0.005 min is a 0.3 s interval, not 'no interval'."""
-    from runner.checkpoint import SavePolicy
+    from runner.checkpoint.checkpointer import SavePolicy
     from runner.spec import CheckpointSpec
 
     now = [0.0]

@@ -1,10 +1,10 @@
-"""Read the records of a wandb offline run file (`run-<id>.wandb`): runner.wandb_history's reader."""
+"""Read the records of a wandb offline run file (`run-<id>.wandb`): runner.observability.wandb_history's reader."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from runner.wandb_history import records  # noqa: F401  (the tests' name for it)
+from runner.observability.wandb_history import records  # noqa: F401  (the tests' name for it)
 
 
 def launches(run_dir: Path) -> list[dict]:

@@ -5,7 +5,7 @@
     .venv/bin/python tools/bench.py --steps 12 --block 4 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
 
 Positional arguments are Hydra overrides, composed exactly as ``python -m runner`` composes them
-(runner.cli.precheck, then runner.config.build_spec). How it measures, all in this one process:
+(runner.main.cli.precheck, then runner.main.config.build_spec). How it measures, all in this one process:
 
 * runner: the real ``BaseTrainer.run()`` (restore-or-init, compile, loader, the step loop with its
   metrics, evaluation at start and end, an asynchronous checkpoint save in the middle of the run and
@@ -25,7 +25,7 @@ Positional arguments are Hydra overrides, composed exactly as ``python -m runner
   over the baseline's in that round; the headline is the median over rounds.
 * runner's step function in a bare loop (its compiled ``train_executable()`` on one device batch)
   separates the cost of the step from the cost of the loop around it.
-* MFU: against the topology's chip peak (runner.topology), or on CPU against a float32 matmul peak
+* MFU: against the topology's chip peak (runner.parallel.topology), or on CPU against a float32 matmul peak
   measured in this run.
 
 Prints ONE JSON line (``--out`` also appends it to a file) and then a human-readable table.
@@ -55,9 +55,9 @@ FORCED = ["train.log_every=1", "logging.wandb=disabled", "logging.progress=none"
 
 def compose(overrides: list[str]) -> Any:
     """Overrides -> ExecutionSpec, as `python -m runner` does it."""
-    from runner.cli import precheck
-    from runner.job import load_job_modules
-    from runner.config import build_spec
+    from runner.main.cli import precheck
+    from runner.train.job import load_job_modules
+    from runner.main.config import build_spec
     from runner.spec import register_schema
 
     register_schema()
@@ -98,7 +98,7 @@ def runner_round(base: list[str], steps: int, save_at: int, run_dir: Path, basel
     save stall."""
     import jax
 
-    from runner.job import JOBS
+    from runner.train.job import JOBS
 
     overrides = [*base, *FORCED, f"train.steps={steps}", f"checkpoint.every_steps={save_at}",
                  f"run.dir={run_dir}"]
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from runner.job import JOBS
-    from runner.topology import parse_topology
+    from runner.train.job import JOBS
+    from runner.parallel.topology import parse_topology
 
     runner_rates: list[float] = []
     base_rates: list[float] = []

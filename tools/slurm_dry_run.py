@@ -51,7 +51,7 @@ def compose_config(overrides: Sequence[str]) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.cli import CONF_DIR, CONFIG_NAME
+    from runner.main.cli import CONF_DIR, CONFIG_NAME
     from runner.spec import register_schema
 
     register_schema()  # the job classes are not needed to compose: jax is not imported
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not any(a.split("=", 1)[0] == "hydra/launcher" for a in args):
         args = ["hydra/launcher=slurm", *args]
     # The sweep directory `python -m runner -m` gives this command line (submitit's logs go there).
-    from runner.sweep import sweep_root
+    from runner.main.sweep import sweep_root
 
     args += [f"hydra.sweep.dir={sweep_root(['-m', *args])}", "hydra.sweep.subdir=."]
     members = sweep_members(args)

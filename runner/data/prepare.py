@@ -43,8 +43,8 @@ from runner.data.tokenizer import (
     load_tokenizer, parse_tokenizer_spec,
 )
 from runner.errors import ConfigError, UserError
-from runner.files import atomic_write, atomic_write_json
-from runner.storage import cache_root
+from runner.checkpoint.files import atomic_write, atomic_write_json
+from runner.checkpoint.storage import cache_root
 
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 64 * 2**20

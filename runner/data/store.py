@@ -33,8 +33,8 @@ import numpy as np
 
 from runner.data.tokenizer import TOKENIZERS, Tokenizer
 from runner.errors import UserError
-from runner.files import atomic_write
-from runner.storage import cache_root, is_remote
+from runner.checkpoint.files import atomic_write
+from runner.checkpoint.storage import cache_root, is_remote
 
 FLAT_FORMAT = FORMAT = "runner-flat-v1"
 ZARR3_FORMAT = "runner-zarr3-v1"

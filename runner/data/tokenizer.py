@@ -11,15 +11,12 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol, Sequence
+from typing import Any, ClassVar, Iterable, Protocol, Sequence
 
 import numpy as np
 
 from runner.errors import ConfigError, UserError
 from runner.registry import Registry
-
-if TYPE_CHECKING:
-    from runner.data.store import TokenStore
 
 KEY = "--tokenizer"
 # End-of-text tokens of common vocabularies, tried in order when the user names none.
@@ -41,6 +38,18 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> np.ndarray: ...
 
     def decode(self, ids: np.ndarray) -> str: ...
+
+
+class StoredFiles(Protocol):
+    """What a tokenizer reads back from the token store it was saved in (runner.data.store's
+    TokenStore), so the tokenizer module needs no import of the store module."""
+
+    meta: dict[str, Any]
+    location: str
+
+    def read_file(self, name: str) -> bytes: ...
+
+    def local_copy(self, name: str) -> Path: ...
 
 
 TOKENIZERS: Registry[Any] = Registry("tokenizer", KEY)
@@ -170,7 +179,7 @@ class HFTokenizer:
         return cls(data, eod_token, key=key, spec=spec)
 
     @classmethod
-    def from_store(cls, store: TokenStore) -> HFTokenizer:
+    def from_store(cls, store: StoredFiles) -> HFTokenizer:
         config = store.meta["tokenizer_config"]
         return cls(store.read_file(config["file"]), config.get("eod_token"), spec=f"hf in {store.location}")
 
@@ -306,7 +315,7 @@ class TiktokenTokenizer:
                               "give a file of `base64-token rank` lines, such as cl100k_base.tiktoken.") from None
 
     @classmethod
-    def from_store(cls, store: TokenStore) -> TiktokenTokenizer:
+    def from_store(cls, store: StoredFiles) -> TiktokenTokenizer:
         config = store.meta["tokenizer_config"]
         path = store.local_copy(config["file"])
         return cls(path, config["sha256"], config["pattern"], config["pat_str"])

@@ -216,7 +216,7 @@ def process_batches(rows: Sequence[Mapping[str, np.ndarray]], batch: int) -> lis
 
 def to_global(ctx: Any, local: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows -> global arrays with the batch (leading) axis split over the mesh."""
-    from runner.mesh import batch_sharding
+    from runner.parallel.mesh import batch_sharding
 
     sharding = batch_sharding(ctx.mesh)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
@@ -227,7 +227,7 @@ def replicated(ctx: Any) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(ctx.mesh, jax.sharding.PartitionSpec())
 
 
-# What training logs at every logged step (runner.metrics), and the prefixes of what it may log
+# What training logs at every logged step (runner.observability.metrics), and the prefixes of what it may log
 # besides: a run.objective that is not an evaluator's is one of these.
 TRAIN_METRICS = ("loss", "lr", "grad_norm", "tokens", "tokens_seen", "tokens_per_s", "tokens_per_s_per_device",
                  "tflops_per_device", "mfu", "step_time_s", "data_wait_s", "nonfinite", "skipped", "spike")

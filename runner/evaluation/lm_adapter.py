@@ -2,7 +2,7 @@
 
 `RunnerLM(ctx, state)` wraps the state of a running job (runner's `lm_eval` evaluator,
 runner.evaluation.harness, in the loop or in mode=eval); its subclass in
-runner.evaluation.lm_checkpoint restores a checkpoint for lm-eval's own command line,
+runner.main.lm_eval restores a checkpoint for lm-eval's own command line,
 `lm_eval --model runner --model_args checkpoint=RUN`.
 
 Requests are scored by runner.evaluation.scoring, the path runner's own `multiple_choice` uses,
@@ -40,7 +40,7 @@ class RunnerLM(TemplateLM):
     """lm-eval's view of a runner model and its parameters."""
 
     backend = "causal"
-    exit_on_mistakes = False  # True under lm-eval's command line (runner.evaluation.lm_checkpoint)
+    exit_on_mistakes = False  # True under lm-eval's command line (runner.main.lm_eval)
 
     def __init__(self, ctx: Any, state: Any, batch_size: Any = None, checkpoint: str = "") -> None:
         """`ctx`: the job's EvalContext; `state`: the parameters to score with (the job's mesh

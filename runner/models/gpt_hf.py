@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from runner.hf import HFTensor, Refused, activation_rule, inert, into, one, only, read_hf_config, same, zeros_of
+from runner.models.hf import HFTensor, Refused, activation_rule, inert, into, one, only, read_hf_config, same, zeros_of
 
 ARCHITECTURE = "GPT2LMHeadModel"
 BASE_PREFIX = "transformer."  # the hub's own gpt2 files name tensors without it (saved from GPT2Model)

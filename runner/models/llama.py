@@ -25,7 +25,7 @@ import numpy as np
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.hf import HFTensor, one, same, zeros_of
+from runner.models.hf import HFTensor, one, same, zeros_of
 from runner.models import llama_hf
 from runner.models.attention import attend
 from runner.models.common import COMPUTE_DTYPES, activation

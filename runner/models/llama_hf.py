@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from runner.errors import ConfigError
-from runner.hf import HFTensor, Refused, Rule, activation_rule, inert, into, one, only, read_hf_config, same, zeros_of
+from runner.models.hf import HFTensor, Refused, Rule, activation_rule, inert, into, one, only, read_hf_config, same, zeros_of
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}

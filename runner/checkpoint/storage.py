@@ -7,8 +7,8 @@ three ways that matter here, each handled in one place:
 
 - there are no directories: `makedirs` creates nothing remote (gcsfs would create a missing
   bucket instead of failing), and `move_tree` copies then deletes (set-aside checkpoints);
-- one object write is atomic, so `runner.files.atomic_write` writes in place;
-- objects cannot be appended to, so `runner.metrics.JsonLines` rewrites metrics.jsonl whole.
+- one object write is atomic, so `runner.checkpoint.files.atomic_write` writes in place;
+- objects cannot be appended to, so `runner.observability.metrics.JsonLines` rewrites metrics.jsonl whole.
 
 Pointing runner at an emulator or another endpoint is one variable, ``STORAGE_EMULATOR_HOST``
 (``http://localhost:4443``): gcsfs and google-cloud-storage read it themselves, and

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 from runner.errors import UserError
 from runner.exits import PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
-from runner.files import atomic_write
+from runner.checkpoint.files import atomic_write
 
-CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
+CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 CONFIG_NAME = "config"
 # Hydra flags that print something and exit: no run, no job modules, no JAX (shell completion
 # asks on every <TAB>).
@@ -101,14 +101,14 @@ def precheck(overrides: Sequence[str], multirun: bool = False, build: bool = Fal
     """Check the command line before anything runs, so every mistake is one exit-code-2
     paragraph instead of Hydra's exit code 1 or a traceback: Hydra's own errors (unknown keys,
     wrong types, unknown group options) for a single run; for a sweep, every member's whole
-    spec (values, names, `+new_key`) before any member trains (runner.sweep.member_overrides).
+    spec (values, names, `+new_key`) before any member trains (runner.main.sweep.member_overrides).
     Returns the composed config (of the last member checked)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.config import build_spec
-    from runner.sweep import member_overrides
+    from runner.main.config import build_spec
+    from runner.main.sweep import member_overrides
 
     for override in overrides:
         if override.startswith("~") and not override.lstrip("~").startswith("hydra"):
@@ -145,7 +145,7 @@ def write_resolved_spec(spec: Any) -> None:
     import jax
     from omegaconf import OmegaConf
 
-    from runner import storage
+    from runner.checkpoint import storage
 
     if jax.process_index() != 0:
         return
@@ -161,16 +161,20 @@ def write_resolved_spec(spec: Any) -> None:
 def execute(spec: Any, in_sweep: bool = False) -> None:
     """Run one validated spec in this process. A run halted by its guard or a hook exits with
     their paragraph; in a sweep (`in_sweep`) they are raised, for the sweep to record."""
-    if spec.mode == "compile":  # one process: no cluster to join, no devices to claim
-        from runner.aot import run_compile
+    from runner.train.job import JOBS
 
-        code = run_compile(spec)
+    if spec.mode == "compile":  # one process: no cluster to join, no devices to claim
+        from runner.parallel.compile import run_compile
+
+        code = run_compile(spec, JOBS.get(spec.job.trainer))
         if code:
             sys.exit(code)
         return
-    from runner import compile_cache, distributed, storage
+    from runner.parallel import compile_cache
+    from runner.parallel import distributed
+    from runner.checkpoint import storage
 
-    from runner.topology import parse_topology
+    from runner.parallel.topology import parse_topology
 
     writes = {"run.dir": spec.mode == "train" or not spec.eval.checkpoint, "eval.checkpoint": spec.mode == "eval",
               "run.compile_cache": True, "run.init_from": False}  # mode=eval writes into the checkpoint it reads
@@ -181,11 +185,10 @@ def execute(spec: Any, in_sweep: bool = False) -> None:
     topology = parse_topology(spec.topology)
     tpu_hosts = topology.num_hosts if topology.platform == "tpu" and _tpu_present() else 0
     distributed.maybe_initialize(spec.distributed, tpu_hosts)  # before any other JAX use
-    from runner.job import JOBS
     from runner.exits import HookError, Preempted, TrainingHalted
 
     if spec.mode == "eval":  # evaluate a checkpoint's parameters; no training, run dir untouched
-        from runner.evaluation.standalone import evaluate_checkpoint
+        from runner.main.evaluate import evaluate_checkpoint
 
         evaluate_checkpoint(spec)
         return
@@ -219,8 +222,8 @@ def task(cfg: Any) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from runner.config import build_spec
-    from runner.job import load_job_modules
+    from runner.main.config import build_spec
+    from runner.train.job import load_job_modules
     from runner.spec import register_schema
 
     register_schema()
@@ -260,11 +263,12 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
     import jax
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.config import build_spec
+    from runner.main.config import build_spec
     from runner.exits import HookError, TrainingHalted
-    from runner.sweep import SweepSummary
+    from runner.main.sweep import SweepSummary
 
-    from runner import goodput, storage
+    from runner.observability import goodput
+    from runner.checkpoint import storage
 
     goodput.mark_launch()  # each member is a launch of its own run
     hydra_cfg = HydraConfig.get()
@@ -301,7 +305,7 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
 def _already_finished(spec: Any) -> bool:
     import json
 
-    from runner import storage
+    from runner.checkpoint import storage
 
     path = storage.path(spec.run.dir) / "metrics.jsonl"
     if not path.exists():
@@ -342,12 +346,12 @@ _is_command = False  # True in `python -m runner` / `runner`: fail() may then si
 def main(argv: Sequence[str] | None = None) -> None:
     global _in_sweep_process, _is_command
     _is_command = True
-    from runner import goodput
+    from runner.observability import goodput
 
     goodput.mark_launch()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plot"]:  # `runner plot RUN_OR_SWEEP_DIR... --out plot.png` (runner.plot)
-        from runner.plot import main as plot
+    if argv[:1] == ["plot"]:  # `runner plot RUN_OR_SWEEP_DIR... --out plot.png` (runner.main.plot)
+        from runner.main.plot import main as plot
 
         sys.exit(plot(argv[1:]))
     flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
@@ -357,9 +361,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _quiet_libraries(log_to_stderr=not info_only)
     import hydra
 
-    from runner.job import load_job_modules
+    from runner.train.job import load_job_modules
     from runner.spec import register_schema
-    from runner.sweep import SweepSummary, sampler_seed, sweep_root
+    from runner.main.sweep import SweepSummary, sampler_seed, sweep_root
 
     register_schema()
     overrides = command_line_overrides(argv)
@@ -374,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = None
     if multirun:
         _in_sweep_process = True
-        from runner import storage
+        from runner.checkpoint import storage
 
         summary = SweepSummary(sweep_root(argv))
         # Hydra keeps its sweep bookkeeping in local files: a gs:// sweep's go to its local mirror

@@ -28,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from runner import storage
+from runner.checkpoint import storage
 from runner.errors import UserError, first_line
 from runner.spec import CheckpointSpec
 

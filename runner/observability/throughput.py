@@ -6,7 +6,7 @@
 
 FLOPs per token are the model family's (`flops_per_token`: 6 x the matmul weights plus attention
 over the full, not causally halved, score matrix, as PaLM's appendix counts; biases, norms and
-softmax ignored). The peak is the chip's published dense bfloat16 FLOP/s (runner.topology.CHIPS),
+softmax ignored). The peak is the chip's published dense bfloat16 FLOP/s (runner.parallel.topology.CHIPS),
 from the topology name or, for topology=auto, from the device kind JAX reports; on a CPU, which
 has no published peak, it is a float32 matmul measured on the whole host and divided among its
 devices (`measure_cpu_peak`), once per machine: the figure is kept in the cache directory, keyed
@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from runner.files import atomic_write_json
-from runner.storage import cache_root
-from runner.topology import CHIPS, Chip, Topology
+from runner.checkpoint.files import atomic_write_json
+from runner.checkpoint.storage import cache_root
+from runner.parallel.topology import CHIPS, Chip, Topology
 
 PEAK_FILE = "cpu_peak.json"
 

@@ -15,7 +15,7 @@ import jax
 import optax
 from flax.training import train_state
 
-from runner.guards import initial_guard_state
+from runner.train.guards import initial_guard_state
 from runner.optim.sharding import opt_state_sharding
 
 

@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping
 import jax
 from rich.console import Console
 
-from runner import storage
-from runner.files import atomic_write, read_jsonl
+from runner.checkpoint import storage
+from runner.checkpoint.files import atomic_write, read_jsonl
 
 TENSORBOARD_DIR = "tensorboard"
 METRICS_FILE = "metrics.jsonl"
@@ -181,7 +181,7 @@ class MetricsLogger:
                      name: str, config: Mapping[str, Any], group: str | None) -> Any:
         """One wandb run per run directory; its id is saved with the checkpoints so a resumed run
         continues the same wandb run. Sweep members are grouped by sweep. wandb writes local files
-        only: for a gs:// run directory they go to its local mirror (runner.storage.local_mirror)."""
+        only: for a gs:// run directory they go to its local mirror (runner.checkpoint.storage.local_mirror)."""
         import wandb
 
         local = storage.local_mirror(run_dir)
@@ -196,7 +196,7 @@ class MetricsLogger:
         """Give wandb the steps up to the checkpoint this launch resumes from that metrics.jsonl has
         and wandb's files lack (lost with a killed launch), in order, before anything new: wandb's
         history then equals metrics.jsonl."""
-        from runner.wandb_history import history_steps
+        from runner.observability.wandb_history import history_steps
 
         have = history_steps(storage.local_mirror(run_dir) / "wandb", self.wandb_run.id)
         last = max(have, default=-1)

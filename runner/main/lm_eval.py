@@ -6,7 +6,7 @@ newest complete checkpoint under RUN (a run directory, its checkpoints/ or one
 checkpoints/<step>), parameters only, with the model, data (its tokenizer) and seq_len of the
 checkpoint's saved spec, exactly as `mode=eval` does; `overrides="topology=cpu-4
 eval.batch_size=64"` passes runner settings. Mistakes are runner's paragraph and exit code 2.
-(A module of its own: it composes the config through runner.cli, which imports the evaluators.)
+(A module of its own: it composes the config through runner.main.cli, which imports the evaluators.)
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ class CheckpointLM(RunnerLM):
 
 def restore(checkpoint: str, overrides: list[str]) -> tuple[Any, Any, Any]:
     """(job, state, step directory) for `checkpoint`, as `python -m runner mode=eval` builds them."""
-    from runner import compile_cache
-    from runner.cli import precheck, skip_absent_tpu
-    from runner.config import build_spec
-    from runner.evaluation.standalone import restore_for_eval, spec_for_checkpoint
-    from runner.job import load_job_modules
+    from runner.parallel import compile_cache
+    from runner.main.cli import precheck, skip_absent_tpu
+    from runner.main.config import build_spec
+    from runner.main.evaluate import restore_for_eval, spec_for_checkpoint
+    from runner.train.job import load_job_modules
     from runner.spec import register_schema
 
     skip_absent_tpu([])  # as `python -m runner` does: no TPU probe where there is none

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner import storage
+from runner.checkpoint import storage
 from runner.errors import UserError
 from runner.exits import USAGE_EXIT_CODE
-from runner.sweep import SUMMARY_FILE
+from runner.main.sweep import SUMMARY_FILE
 
 # Settings that never tell two runs apart in a legend (where they live, how they log).
 _UNLABELLED = ("run.", "logging.", "hydra", "distributed.", "checkpoint.", "debug.")

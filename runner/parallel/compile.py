@@ -26,12 +26,12 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from runner.errors import UserError, first_line
 from runner.exits import DOES_NOT_FIT_EXIT_CODE
 from runner.spec import ExecutionSpec
-from runner.topology import GiB, Topology, aot_topology_args, parse_topology
+from runner.parallel.topology import GiB, Topology, aot_topology_args, parse_topology
 
 INSTALL_TPU_EXTRA = "pip install -e '.[tpu]'"
 
@@ -322,15 +322,14 @@ def _analytic_flops(job: Any) -> float | None:
     return fpt * t.batch_size * t.seq_len
 
 
-def compile_report(spec: ExecutionSpec) -> CompileReport:
-    """Build the job on the topology's devices, lower and compile its train step, and size it."""
+def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> CompileReport:
+    """Build the job (`job_class(spec, devices=...)`, the class job.trainer names) on the
+    topology's devices, lower and compile its train step, and size it."""
     import jax
-
-    from runner.job import JOBS
 
     topology = parse_topology(spec.topology)
     devices = compile_devices(topology)
-    job = JOBS.get(spec.job.trainer)(spec, devices=devices)
+    job = job_class(spec, devices=devices)
     abstract, job.state_sharding = job.abstract_state()
     batch = job.abstract_batch()
     step = job.compiled_train_step  # the very function training runs
@@ -376,9 +375,9 @@ def compile_report(spec: ExecutionSpec) -> CompileReport:
     return report
 
 
-def run_compile(spec: ExecutionSpec) -> int:
+def run_compile(spec: ExecutionSpec, job_class: Callable[..., Any]) -> int:
     """mode=compile: print the report and its JSON line; the exit code says whether it fits."""
-    report = compile_report(spec)
+    report = compile_report(spec, job_class)
     print(report.text(), flush=True)
     print(report.to_json(), flush=True)
     return 0 if report.fits else DOES_NOT_FIT_EXIT_CODE

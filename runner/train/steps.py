@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from runner import debug
+from runner.observability import debug
 from runner.data.documents import model_inputs
-from runner.guards import guard_update
-from runner.mesh import microbatch_sharding
+from runner.train.guards import guard_update
+from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
 
 Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"} (+ "segment_ids", "positions"), each (S, B, T)

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from runner import storage
+from runner.checkpoint import storage
 
 SCANNED = ("blocks",)  # stacked layers: one norm per index of the leading axis
 
@@ -41,7 +41,7 @@ def param_and_update_norms(old: Any, new: Any) -> dict[str, jax.Array]:
 class Profiler:
     """A jax.profiler trace of steps [start, start + steps) into <run_dir>/profile. The profiler
     writes local files only: for a gs:// run directory it traces into the local mirror
-    (runner.storage.local_mirror) and uploads the trace when it stops."""
+    (runner.checkpoint.storage.local_mirror) and uploads the trace when it stops."""
 
     def __init__(self, run_dir: Any, start: int, steps: int) -> None:
         where = f"profile/process_{jax.process_index()}"

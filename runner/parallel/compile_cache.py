@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from runner.storage import cache_root
+from runner.checkpoint.storage import cache_root
 
 OFF = ("none", "off", "")
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from runner import storage
-from runner.files import atomic_write_json, read_jsonl
+from runner.checkpoint import storage
+from runner.checkpoint.files import atomic_write_json, read_jsonl
 
 SUMMARY_FILE = "summary.json"
 

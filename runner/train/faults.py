@@ -16,7 +16,7 @@ import os
 import signal
 from typing import Any, Callable
 
-from runner.loop import Component, Loop
+from runner.train.loop import Component, Loop
 
 _spec = os.environ.get("RUNNER_FAULT", "")
 _event, _, _step = _spec.partition(":")

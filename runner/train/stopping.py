@@ -8,8 +8,8 @@ import signal
 import time
 from typing import Any, Callable, Optional
 
-from runner import storage
-from runner.distributed import any_process
+from runner.checkpoint import storage
+from runner.parallel.distributed import any_process
 
 REASONS = ("signal", "time limit", "launch step limit", "stop file")
 

@@ -23,7 +23,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from runner.errors import ConfigError, UserError
-from runner.topology import parse_topology
+from runner.parallel.topology import parse_topology
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both

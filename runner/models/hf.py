@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from runner.errors import ConfigError, UserError, first_line
-from runner.files import atomic_write_json
+from runner.checkpoint.files import atomic_write_json
 
 HF_PREFIX = "hf:"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Weight files transformers may read from a model directory: what `runner.export --overwrite` clears
+# Weight files transformers may read from a model directory: what `runner.main.export --overwrite` clears
 # (with the config and tokenizer files), and what an import that finds no safetensors names.
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json",
                    "tf_model*.h5", "flax_model*.msgpack", "model.ckpt*")
@@ -87,7 +87,7 @@ class CheckpointParams:
     def __init__(self, state_dir: Any, keep: int = 3) -> None:
         import orbax.checkpoint as ocp
 
-        from runner import storage
+        from runner.checkpoint import storage
 
         self.state_dir = storage.absolute(state_dir)  # local, or gs://
         self._ocp = ocp
@@ -356,7 +356,7 @@ def hf_dir(init_from: str) -> Path:
     where = Path(init_from[len(HF_PREFIX):]).expanduser()
     if not (where / "config.json").is_file():
         raise ConfigError("run.init_from", init_from, f"{where} has no config.json (not a Hugging Face model "
-                          "directory).", "point it at a directory written by save_pretrained or runner.export.")
+                          "directory).", "point it at a directory written by save_pretrained or runner.main.export.")
     if (where / INDEX_FILE).is_file():
         try:
             shards = set(json.loads((where / INDEX_FILE).read_text())["weight_map"].values())

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from runner import callbacks, distributed, job, mesh, models, optim, topology
+from runner import models, optim
+from runner.train import callbacks
+from runner.parallel import distributed
+from runner.train import job
+from runner.parallel import mesh
+from runner.parallel import topology
 from runner import evaluation
 from runner.data import strategies
 from runner.spec import ExecutionSpec, resolve_spec

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
-from runner.files import atomic_write
+from runner.checkpoint.files import atomic_write
 
 RUN_CARD = "RUN_CARD.md"
 

@@ -18,13 +18,13 @@ from typing import Any
 
 import jax
 
-from runner.checkpoint import META, STATE, find_state_dir, restore_tree
+from runner.checkpoint.checkpointer import META, STATE, find_state_dir, restore_tree
 from runner.errors import UserError, first_line
 from runner.evaluation.base import prepare_all, run_all
-from runner.files import atomic_write_json
-from runner.job import JOBS
+from runner.checkpoint.files import atomic_write_json
+from runner.train.job import JOBS
 from runner.spec import ExecutionSpec, spec_from_dict
-from runner.state import TrainState
+from runner.train.state import TrainState
 
 RESULTS_FILE = "eval_results.json"
 

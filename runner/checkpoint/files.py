@@ -10,7 +10,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from runner import storage
+from runner.checkpoint import storage
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes, durable: bool = False) -> Any:

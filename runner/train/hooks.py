@@ -17,14 +17,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 
-from runner import debug
-from runner.checkpoint import Checkpointer
-from runner.guards import GuardMonitor
-from runner.loop import Component, Loop
-from runner.metrics import MetricsLogger, Timer
+from runner.observability import debug
+from runner.checkpoint.checkpointer import Checkpointer
+from runner.train.guards import GuardMonitor
+from runner.train.loop import Component, Loop
+from runner.observability.metrics import MetricsLogger, Timer
 from runner.spec import ExecutionSpec
-from runner.stopping import StopConditions
-from runner.throughput import Throughput
+from runner.train.stopping import StopConditions
+from runner.observability.throughput import Throughput
 
 
 class ProfilerWindow(Component):
@@ -39,8 +39,8 @@ class ProfilerWindow(Component):
 
 
 class MetricsReport(Component):
-    """Adds tokens/s (and per device, TFLOP/s per device and MFU: runner.throughput), tokens seen,
-    step time and data wait to each step's metrics, and goodput (runner.goodput) to the logged
+    """Adds tokens/s (and per device, TFLOP/s per device and MFU: runner.observability.throughput), tokens seen,
+    step time and data wait to each step's metrics, and goodput (runner.observability.goodput) to the logged
     ones; updates the progress line; logs every train.log_every steps, the last step and every
     skipped step; logs per-layer norms (and wandb histograms) every debug.norms_every steps."""
 
