@@ -2,11 +2,11 @@
 # does (README, "Launching"). Build with tools/build_image.py, or directly:
 #
 #   docker build -t runner .                                    # TPU (libtpu), python:3.12-slim
-#   docker build -t runner --build-arg JAX_FLAVOUR=cuda .       # jax[cuda12]
+#   docker build -t runner:gpu --build-arg JAX_FLAVOUR=cuda .   # NVIDIA GPUs: the `cuda` extra, jax[cuda12]
 #   docker build -t runner --secret id=ca,src=corp.pem .        # behind a TLS-intercepting proxy
 #
 # BASE_IMAGE: any Debian/Ubuntu-like image with Python >= 3.12 and its venv module.
-# JAX_FLAVOUR: tpu (the package's `tpu` extra: libtpu), cpu (plain jax), cuda (jax[cuda12]).
+# JAX_FLAVOUR: tpu (the package's `tpu` extra: libtpu), cpu (plain jax), cuda (the `cuda` extra: jax[cuda12]).
 ARG BASE_IMAGE=python:3.12-slim
 
 # ---- build: a virtual environment with runner installed (not editable) -------------------------
@@ -34,8 +34,7 @@ RUN --mount=type=secret,id=ca \
     fi; \
     /opt/venv/bin/python -c "import sys, tomllib; \
 p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-jax = next(d for d in p['dependencies'] if d.startswith('jax==')); \
-extra = {'tpu': p['optional-dependencies']['tpu'], 'cpu': [], 'cuda': [jax.replace('jax==', 'jax[cuda12]==')]}; \
+extra = {'tpu': p['optional-dependencies']['tpu'], 'cpu': [], 'cuda': p['optional-dependencies']['cuda']}; \
 print('\n'.join(p['dependencies'] + extra[sys.argv[1]]))" "$JAX_FLAVOUR" > /tmp/requirements.txt; \
     /opt/venv/bin/pip install -r /tmp/requirements.txt; \
     rm -f /tmp/ca-bundle.pem /tmp/requirements.txt

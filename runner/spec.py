@@ -25,6 +25,7 @@ ON_DAMAGED = ("fallback", "stop")
 # job.model.activation: transformers' names (ACT2FN) for the functions runner computes the same way
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+DTYPES = ("float32", "bfloat16")
 
 # Overrides that may change between launches of the same run, so they do not name its directory
 # (`job=` itself is already part of the path). A key is matched exactly or as a prefix.
@@ -68,6 +69,9 @@ class RopeSpec(_Frozen):
     beta_slow: float = 1.0
     attention_factor: float = 0.0  # yarn: cos/sin scale; 0: 0.1 * ln(factor) + 1, YaRN's default
     truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("job.model.rope", self, (("scaling", ROPE_SCALINGS),))
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,18 @@ class ModelSpec(_Frozen):
     rope: RopeSpec = field(default_factory=RopeSpec)
     hf: HFOriginSpec = field(default_factory=HFOriginSpec)
 
+    def check(self, spec: ExecutionSpec) -> None:
+        """Sizes and choices first, then the rotary settings, then the ranges of norm_eps and dropout."""
+        _check_rules("job.model", self, (
+            ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
+            ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
+            ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("none", "full", "dots")),
+            ("activation", ("", *ACTIVATIONS))))
+        self.rope.check(spec)
+        _check_rules("job.model", self, (
+            ("norm_eps", lambda v: v > 0, "it must be positive.", "use e.g. 1e-5 or 1e-6."),
+            ("dropout", lambda v: 0.0 <= v < 1.0, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")))
+
 
 @dataclass(frozen=True)
 class JobSpec(_Frozen):
@@ -126,12 +142,20 @@ class JobSpec(_Frozen):
     # command line sets it outright.
     lr: dict[str, float] = field(default_factory=dict, hash=False)
 
+    def check(self, spec: ExecutionSpec) -> None:
+        self.model.check(spec)
+
 
 @dataclass(frozen=True)
 class MeshSpec(_Frozen):
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("mesh", self, tuple(
+            (axis, lambda v: v != 0 and v >= -1, "mesh sizes are positive, or -1 for 'the rest'.",
+             f"set mesh.{axis} to a positive size or -1.") for axis in ("data", "fsdp", "tensor")))
 
 
 @dataclass(frozen=True)
@@ -160,6 +184,9 @@ class DataSpec(_Frozen):
     # end-of-document token, positions restart, and no target crosses a document boundary.
     document_mask: bool = False
 
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("data", self, (("prefetch", ">= 0"), ("num_threads", "> 0")))
+
 
 @dataclass(frozen=True)
 class OptimizerSpec(_Frozen):
@@ -174,6 +201,9 @@ class OptimizerSpec(_Frozen):
     clip_norm: Optional[float] = 1.0
     state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored
 
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("optimizer", self, (("lr", "> 0"), ("state_dtype", DTYPES)))
+
 
 @dataclass(frozen=True)
 class ScheduleSpec(_Frozen):
@@ -181,6 +211,12 @@ class ScheduleSpec(_Frozen):
     warmup_steps: int = 50
     final_lr_fraction: float = 0.1  # final learning rate as a fraction of optimizer.lr
     decay_fraction: float = 0.2  # wsd only: share of the steps spent decaying
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("schedule", self, (
+            ("warmup_steps", ">= 0"),
+            ("final_lr_fraction", lambda v: 0.0 <= v <= 1.0, "it must be in [0, 1].",
+             "use e.g. 0.1 to end at a tenth of the peak learning rate.")))
 
 
 @dataclass(frozen=True)
@@ -194,6 +230,20 @@ class TrainSpec(_Frozen):
     time_limit_margin_s: float = 30.0  # room kept for the final save
     max_steps_this_launch: int = 0  # run this many more steps, then checkpoint and exit 75; 0: no limit
     stop_file: str = "STOP"  # its appearance (relative to run.dir) stops the run cleanly; "": off
+
+    def check(self, spec: ExecutionSpec) -> None:
+        """Sizes are positive, a sequence fits the model's context and a batch splits into its micro-batches."""
+        context = spec.job.model.context_length
+        _check_rules("train", self, (
+            ("steps", "> 0"), ("batch_size", "> 0"), ("accumulate_steps", "> 0"), ("seq_len", "> 0"),
+            ("log_every", "> 0"), ("time_limit_minutes", ">= 0"), ("time_limit_margin_s", ">= 0"),
+            ("max_steps_this_launch", ">= 0"),
+            ("seq_len", lambda v: v <= context,
+             f"it is longer than the model's context (job.model.context_length={context}).",
+             f"use train.seq_len <= {context} or raise job.model.context_length."),
+            ("batch_size", lambda v: not v % self.accumulate_steps,
+             f"it is not divisible by train.accumulate_steps={self.accumulate_steps}.",
+             "choose a batch size that is a multiple of the number of micro-batches.")))
 
 
 @dataclass(frozen=True)
@@ -257,6 +307,13 @@ class GuardSpec(_Frozen):
     spike_window: int = 100  # steps the rolling mean spans
     spike_warmup: int = 100  # healthy steps before spikes are judged
 
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("guard", self, (
+            ("nonfinite", ("stop", "skip", "off")), ("max_consecutive_skips", ">= 0"), ("spike_factor", ">= 0"),
+            ("spike_factor", lambda v: not 0 < v <= 1, "a spike is a loss above this multiple of the "
+             "rolling mean, so it must be > 1 (or 0 for off).", "use e.g. 2.0."),
+            ("spike_window", "> 0"), ("spike_warmup", ">= 0")))
+
 
 @dataclass(frozen=True)
 class DebugSpec(_Frozen):
@@ -264,6 +321,9 @@ class DebugSpec(_Frozen):
     profile_start: int = -1  # first step of a jax.profiler trace written to <run.dir>/profile
     profile_steps: int = 0  # steps the trace covers (0: no trace)
     norms_every: int = 0  # log per-layer parameter, gradient and update norms every N steps
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("debug", self, (("profile_steps", ">= 0"), ("norms_every", ">= 0")))
 
 
 @dataclass(frozen=True)
@@ -282,6 +342,13 @@ class EvalSpec(_Frozen):
         object.__setattr__(self, "evaluators", tuple(
             evaluator_spec(e, f"eval.evaluators[{i}]") for i, e in enumerate(entries)))
 
+    def check(self, spec: ExecutionSpec) -> None:
+        """The section's sizes, then each evaluator's own (an unset every or rows takes the section's)."""
+        _check_rules("eval", self, (("every", ">= 0"), ("batch_size", "> 0"), ("rows", "> 0")))
+        for i, entry in enumerate(self.evaluators):
+            _check_rules(f"eval.evaluators[{i}]", entry, (
+                ("every", ">= 0"), ("rows", "> 0"), ("max_new_tokens", "> 0"), ("temperature", ">= 0")))
+
 
 @dataclass(frozen=True)
 class CheckpointSpec(_Frozen):
@@ -296,6 +363,13 @@ class CheckpointSpec(_Frozen):
     best_metric: str = ""  # a logged eval metric, e.g. eval/stdlib/loss
     best_mode: str = "min"  # min | max: which end of best_metric is best
 
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("checkpoint", self, (
+            ("every_steps", ">= 0"), ("every_minutes", ">= 0"), ("keep", "> 0"), ("keep_every", ">= 0"),
+            ("on_damaged", ON_DAMAGED), ("keep_best", ">= 0"), ("best_mode", ("min", "max")),
+            ("best_metric", lambda v: bool(v) or not self.keep_best, "checkpoint.keep_best needs a metric to rank by.",
+             "name a logged eval metric, e.g. checkpoint.best_metric=eval/stdlib/loss.")))
+
 
 @dataclass(frozen=True)
 class LoggingSpec(_Frozen):
@@ -305,6 +379,9 @@ class LoggingSpec(_Frozen):
     progress: str = "auto"  # auto | rich | plain | none
     tensorboard: bool = False  # also write every scalar as TensorBoard events under <run.dir>/tensorboard
 
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("logging", self, (("wandb", WANDB_MODES), ("progress", PROGRESS_STYLES)))
+
 
 @dataclass(frozen=True)
 class DistributedSpec(_Frozen):
@@ -313,6 +390,14 @@ class DistributedSpec(_Frozen):
     process_id: Optional[int] = None
     heartbeat_timeout_s: int = 60  # a process silent this long is dead: the others exit non-zero
     stop_check_every: int = 10  # steps between cross-process checks for a stop request (SIGTERM)
+
+    def check(self, spec: ExecutionSpec) -> None:
+        """Unset values are runner.parallel.distributed's to judge: it also reads JAX's environment."""
+        _check_rules("distributed", self, (
+            ("heartbeat_timeout_s", "> 0"), ("stop_check_every", "> 0"), ("num_processes", "> 0"),
+            ("process_id", lambda v: self.num_processes is None or 0 <= v < self.num_processes,
+             f"it must be in [0, distributed.num_processes={self.num_processes}).",
+             "number the processes 0, 1, ..., N-1.")))
 
 
 @dataclass(frozen=True)
@@ -326,6 +411,9 @@ class RunSpec(_Frozen):
     # What a sweep member returns to the sweeper (Optuna minimizes or maximizes it, as
     # hydra.sweeper.direction says): a logged metric's last value; "": the first held-out loss.
     objective: str = ""
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("run", self, (("init_mode", ("params", "full")),))
 
 
 @dataclass(frozen=True)
@@ -418,107 +506,36 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(key, value, "it is not a known choice.", f"use one of: {', '.join(allowed)}.")
 
 
+def _check_rules(prefix: str, section: Any, rules: tuple[tuple[Any, ...], ...]) -> None:
+    """Check a section's fields against its rules, in order, so the first bad value is reported.
+    A rule is (field, "> 0" | ">= 0" | the allowed choices) or (field, predicate, problem, fix);
+    a None value is unset and has nothing to check."""
+    for name, test, *words in rules:
+        key, value = f"{prefix}.{name}", getattr(section, name)
+        if value is None:
+            continue
+        if isinstance(test, tuple):
+            _one_of(key, value, test)
+        elif callable(test):
+            if not test(value):
+                raise ConfigError(key, value, *words)
+        else:
+            _positive(key, value, allow_zero=test == ">= 0")
+
+
+# The sections with rules, in the order they are checked: the first bad value found is the one reported.
+CHECKED_SECTIONS = ("job", "train", "guard", "debug", "mesh", "data", "optimizer", "schedule", "eval",
+                    "checkpoint", "run", "logging", "distributed")
+
+
 def validate(spec: ExecutionSpec) -> None:
     """Reject every bad value the spec alone can judge (ranges, choices, one key against
-    another). The components check their own sections (runner.main.config). Raises ConfigError."""
+    another): each section checks itself. The components check their own sections
+    (runner.main.config). Raises ConfigError."""
 
     _one_of("mode", spec.mode, MODES)
-
-    m = spec.job.model
-    _positive("job.model.scale", m.scale, allow_zero=True)
-    _positive("job.model.head_dim", m.head_dim)
-    for key in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
-        _positive(f"job.model.{key}", getattr(m, key))
-    _positive("job.model.d_ff", m.d_ff, allow_zero=True)
-    _one_of("job.model.compute_dtype", m.compute_dtype, ("float32", "bfloat16"))
-    _one_of("job.model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
-    _one_of("job.model.remat", m.remat, ("none", "full", "dots"))
-    _one_of("job.model.activation", m.activation, ("", *ACTIVATIONS))
-    _one_of("job.model.rope.scaling", m.rope.scaling, ROPE_SCALINGS)
-    if m.norm_eps <= 0:
-        raise ConfigError("job.model.norm_eps", m.norm_eps, "it must be positive.", "use e.g. 1e-5 or 1e-6.")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError("job.model.dropout", m.dropout, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")
-
-    t = spec.train
-    _positive("train.steps", t.steps)
-    _positive("train.batch_size", t.batch_size)
-    _positive("train.accumulate_steps", t.accumulate_steps)
-    _positive("train.seq_len", t.seq_len)
-    _positive("train.log_every", t.log_every)
-    _positive("train.time_limit_minutes", t.time_limit_minutes, allow_zero=True)
-    _positive("train.time_limit_margin_s", t.time_limit_margin_s, allow_zero=True)
-    _positive("train.max_steps_this_launch", t.max_steps_this_launch, allow_zero=True)
-    g = spec.guard
-    _one_of("guard.nonfinite", g.nonfinite, ("stop", "skip", "off"))
-    _positive("guard.max_consecutive_skips", g.max_consecutive_skips, allow_zero=True)
-    _positive("guard.spike_factor", g.spike_factor, allow_zero=True)
-    if 0 < g.spike_factor <= 1:
-        raise ConfigError("guard.spike_factor", g.spike_factor, "a spike is a loss above this multiple of the "
-                          "rolling mean, so it must be > 1 (or 0 for off).", "use e.g. 2.0.")
-    _positive("guard.spike_window", g.spike_window)
-    _positive("guard.spike_warmup", g.spike_warmup, allow_zero=True)
-    _positive("debug.profile_steps", spec.debug.profile_steps, allow_zero=True)
-    _positive("debug.norms_every", spec.debug.norms_every, allow_zero=True)
-    if t.seq_len > m.context_length:
-        raise ConfigError("train.seq_len", t.seq_len,
-                          f"it is longer than the model's context (job.model.context_length={m.context_length}).",
-                          f"use train.seq_len <= {m.context_length} or raise job.model.context_length.")
-    if t.batch_size % t.accumulate_steps:
-        raise ConfigError("train.batch_size", t.batch_size,
-                          f"it is not divisible by train.accumulate_steps={t.accumulate_steps}.",
-                          "choose a batch size that is a multiple of the number of micro-batches.")
-
-    for key in ("data", "fsdp", "tensor"):
-        value = getattr(spec.mesh, key)
-        if value == 0 or value < -1:
-            raise ConfigError(f"mesh.{key}", value, "mesh sizes are positive, or -1 for 'the rest'.",
-                              f"set mesh.{key} to a positive size or -1.")
-    _positive("data.prefetch", spec.data.prefetch, allow_zero=True)
-    _positive("data.num_threads", spec.data.num_threads)
-    o, s = spec.optimizer, spec.schedule
-    _positive("optimizer.lr", o.lr)
-    _one_of("optimizer.state_dtype", o.state_dtype, ("float32", "bfloat16"))
-    _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
-    if not 0.0 <= s.final_lr_fraction <= 1.0:
-        raise ConfigError("schedule.final_lr_fraction", s.final_lr_fraction, "it must be in [0, 1].",
-                          "use e.g. 0.1 to end at a tenth of the peak learning rate.")
-    _positive("eval.every", spec.eval.every, allow_zero=True)
-    _positive("eval.batch_size", spec.eval.batch_size)
-    _positive("eval.rows", spec.eval.rows)
-    for i, ev in enumerate(spec.eval.evaluators):
-        key = f"eval.evaluators[{i}]"
-        if ev.every is not None:
-            _positive(f"{key}.every", ev.every, allow_zero=True)
-        if ev.rows is not None:
-            _positive(f"{key}.rows", ev.rows)
-        _positive(f"{key}.max_new_tokens", ev.max_new_tokens)
-        _positive(f"{key}.temperature", ev.temperature, allow_zero=True)
-
-    c = spec.checkpoint
-    _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
-    _positive("checkpoint.every_minutes", c.every_minutes, allow_zero=True)
-    _positive("checkpoint.keep", c.keep)
-    _positive("checkpoint.keep_every", c.keep_every, allow_zero=True)
-    _one_of("checkpoint.on_damaged", c.on_damaged, ON_DAMAGED)
-    _positive("checkpoint.keep_best", c.keep_best, allow_zero=True)
-    _one_of("checkpoint.best_mode", c.best_mode, ("min", "max"))
-    if c.keep_best and not c.best_metric:
-        raise ConfigError("checkpoint.best_metric", c.best_metric, "checkpoint.keep_best needs a metric to rank by.",
-                          "name a logged eval metric, e.g. checkpoint.best_metric=eval/stdlib/loss.")
-
-    _one_of("run.init_mode", spec.run.init_mode, ("params", "full"))
-    _one_of("logging.wandb", spec.logging.wandb, WANDB_MODES)
-    _one_of("logging.progress", spec.logging.progress, PROGRESS_STYLES)
-    d = spec.distributed
-    _positive("distributed.heartbeat_timeout_s", d.heartbeat_timeout_s)
-    _positive("distributed.stop_check_every", d.stop_check_every)
-    if d.num_processes is not None:
-        _positive("distributed.num_processes", d.num_processes)
-    if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:
-        raise ConfigError("distributed.process_id", d.process_id,
-                          f"it must be in [0, distributed.num_processes={d.num_processes}).",
-                          "number the processes 0, 1, ..., N-1.")
+    for name in CHECKED_SECTIONS:
+        getattr(spec, name).check(spec)
 
 
 def scaled_model(model: ModelSpec) -> ModelSpec:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # The test process itself never needs a TPU: don't let an installed libtpu probe for one.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+platform.processor()  # runs `uname -p` once and keeps the answer, before the fast tier refuses processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,3 +88,41 @@ TINY = [
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_e2e(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier (`pytest -m "not e2e"`) starts no process: a test that does (`python -m runner`,
+    several JAX processes, a shell script, an emulator) must be marked `e2e`, or it fails here."""
+    if request.node.get_closest_marker("e2e"):
+        return
+    nodeid = request.node.nodeid
+
+    def refuse(self: Any, args: Any, *_: Any, **__: Any) -> None:
+        raise AssertionError(f"{nodeid} starts a process ({args!r:.200}); mark it @pytest.mark.e2e")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A tiny run trained in this process, start to final checkpoint (RestoreableJob.run): the
+    fast tier's own checkpoint and metrics for mode=eval, lm-eval's model and plots. Returns (its
+    spec, its run directory)."""
+    from hydra import compose, initialize_config_dir
+
+    from runner.main.cli import CONF_DIR, CONFIG_NAME, prepare
+    from runner.main.config import build_spec
+    from runner.train.job import JOBS
+
+    prepare()
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    overrides = [*TINY, f"run.dir={run_dir}", "train.steps=4", "eval.every=2", "checkpoint.every_steps=2",
+                 "logging.progress=none"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RUNNER_CACHE", str(tmp_path_factory.getbasetemp() / "runner-cache"))
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        spec = build_spec(compose(CONFIG_NAME, overrides=overrides), overrides)
+    JOBS.get(spec.job.trainer)(spec).run()
+    yield spec, run_dir
+    mp.undo()

@@ -129,3 +129,33 @@ def test_no_family_imports_another() -> None:
     for family in families:
         assert not graph[family] & (families - {family}), f"{family} imports another family: share it in common"
     assert all("runner.models.common" in graph[f] for f in families)
+
+
+SPINE = ("main", "train", "checkpoint", "parallel")
+
+
+def test_no_function_in_the_spine_is_longer_than_60_lines() -> None:
+    """The path from the command to a checkpoint reads in screens, not pages."""
+    long = []
+    for folder in SPINE:
+        for path in (PACKAGE / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not long, "functions over 60 lines: " + ", ".join(long)
+
+
+def test_the_public_paths_users_rely_on_still_work() -> None:
+    """Moved code keeps its public names: the seed API, the job registry, `python -m runner.export`."""
+    import runner.export
+    import runner.job
+    import runner.main.export
+    import runner.train.job
+    import runner.train.trainer
+    import runner.trainer
+
+    assert runner.trainer.BaseTrainer is runner.train.trainer.BaseTrainer
+    assert runner.trainer.TrainState is runner.train.trainer.TrainState
+    assert runner.job.JOBS is runner.train.job.JOBS and runner.job.RestoreableJob is runner.train.job.RestoreableJob
+    assert runner.export.main is runner.main.export.main
+    assert (ROOT / "runner" / "data" / "prepare.py").is_file()  # python -m runner.data.prepare stays where it was

@@ -56,8 +56,8 @@ def test_every_project_table_uses_the_registry() -> None:
     from runner.data.strategies import DATASET_STRATEGIES
     from runner.data.tokenizer import TOKENIZERS
     from runner.evaluation import EVALUATORS
-    from runner.train.job import JOBS, load_job_modules
     from runner.optim import OPTIMIZERS, SCHEDULES
+    from runner.train.job import JOBS, load_job_modules
 
     load_job_modules()
     assert {"adamw", "adafactor", "lion", "sgd", "muon"} <= set(OPTIMIZERS.names())

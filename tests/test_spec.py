@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.errors import ConfigError
-from runner.train.job import load_job_modules
+from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
-from runner.spec import ExecutionSpec, derive_run_dir, register_schema, spec_from_dict
+from runner.spec import CHECKED_SECTIONS, ExecutionSpec, derive_run_dir, register_schema, spec_from_dict, validate
+from runner.train.job import load_job_modules
 from tests.conftest import TINY, run_runner
 
 register_schema()
@@ -91,6 +94,44 @@ def test_validation_errors_name_the_key(overrides: list[str], key: str, needle: 
     assert "Fix:" in str(info.value)
 
 
+# One bad value per section with rules: validate must reach every section's own check.
+BAD_VALUE = {"job": ("job.model.n_layers", 0), "train": ("train.steps", 0), "guard": ("guard.nonfinite", "maybe"),
+             "debug": ("debug.norms_every", -1), "mesh": ("mesh.fsdp", 0), "data": ("data.num_threads", 0),
+             "optimizer": ("optimizer.lr", 0.0), "schedule": ("schedule.final_lr_fraction", 2.0),
+             "eval": ("eval.rows", 0), "checkpoint": ("checkpoint.keep", 0), "run": ("run.init_mode", "half"),
+             "logging": ("logging.progress", "loud"), "distributed": ("distributed.stop_check_every", 0)}
+
+
+def with_value(section: Any, key: str, value: Any) -> Any:
+    head, _, rest = key.partition(".")
+    return dataclasses.replace(section, **{head: with_value(getattr(section, head), rest, value) if rest else value})
+
+
+def test_validate_checks_every_section_that_has_rules() -> None:
+    spec = ExecutionSpec()
+    validate(spec)
+    with_check = {f.name for f in dataclasses.fields(ExecutionSpec) if hasattr(getattr(spec, f.name), "check")}
+    assert set(CHECKED_SECTIONS) == with_check == set(BAD_VALUE)
+    for section in CHECKED_SECTIONS:
+        key, value = BAD_VALUE[section]
+        with pytest.raises(ConfigError) as info:
+            validate(with_value(spec, key, value))
+        assert info.value.key == key and info.value.value == value, section
+    with pytest.raises(ConfigError) as info:
+        validate(with_value(spec, "job.model.rope.scaling", "cubic"))
+    assert info.value.key == "job.model.rope.scaling"
+
+
+def test_no_function_in_the_spec_module_is_longer_than_60_lines() -> None:
+    import runner.spec
+
+    tree = ast.parse(Path(runner.spec.__file__).read_text())
+    long = [(node.name, node.end_lineno - node.lineno) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno > 60]
+    assert not long
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
     (["train.stepz=3"], "train.stepz"),
     (["train.steps=abc"], "train.steps"),
@@ -109,6 +150,7 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path, args: list[str], nee
     assert not (tmp_path / "runs").exists()  # nothing written for a rejected config
 
 
+@pytest.mark.e2e
 def test_cfg_job_prints_the_resolved_config(tmp_path) -> None:
     result = run_runner(["--cfg", "job", "train.steps=17", "optimizer=lion"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -116,6 +158,7 @@ def test_cfg_job_prints_the_resolved_config(tmp_path) -> None:
     assert "  lr: 0.0003\n" in result.stdout and "${" not in result.stdout  # the job's lion rate, resolved
 
 
+@pytest.mark.e2e
 def test_refusals_found_after_the_run_directory_is_made_leave_none_behind(tmp_path) -> None:
     """A mesh the devices cannot make, missing or garbage data, a vocabulary too small for it, a
     missing warm start: exit 2 with the paragraph, and the directory this launch made is gone; a
@@ -160,6 +203,7 @@ def test_a_key_runner_does_not_have_is_a_config_error(override: str, key: str) -
     assert info.value.key == key and "no setting of that name" in str(info.value)
 
 
+@pytest.mark.e2e
 def test_new_key_and_lone_process_count_exit_2_from_the_command_line(tmp_path) -> None:
     for args, key in ((["+bogus=1"], "`bogus=1`"), (["distributed.num_processes=2"], "distributed.coordinator_address")):
         result = run_runner([*args, "train.steps=1"], tmp_path, JAX_COORDINATOR_ADDRESS="")

@@ -56,9 +56,9 @@ FORCED = ["train.log_every=1", "logging.wandb=disabled", "logging.progress=none"
 def compose(overrides: list[str]) -> Any:
     """Overrides -> ExecutionSpec, as `python -m runner` does it."""
     from runner.main.cli import precheck
-    from runner.train.job import load_job_modules
     from runner.main.config import build_spec
     from runner.spec import register_schema
+    from runner.train.job import load_job_modules
 
     register_schema()
     load_job_modules()
@@ -158,7 +158,7 @@ class Baseline:
         import jax.numpy as jnp
         import optax
 
-        model, tx = job.model, job.tx
+        model, tx = job.model, job.program.tx
         batch = next(iter(job.batch("train")))
         self.x = jnp.asarray(batch["x"][0])
         self.y = jnp.asarray(batch["y"][0])
@@ -195,15 +195,15 @@ class Baseline:
 
 
 class StepOnly:
-    """runner's own compiled train step (job.train_executable) in a bare loop on one device batch:
+    """runner's own compiled train step (job.program.train_executable) in a bare loop on one device batch:
     separates the cost of the step function from the cost of the loop around it."""
 
     def __init__(self, job: Any) -> None:
         import jax
 
-        self.exe = job.train_executable()
+        self.exe = job.program.train_executable()
         self.state = job.state
-        self.batch = job.to_device(next(iter(job.batch("train"))))
+        self.batch = job.program.to_device(next(iter(job.batch("train"))))
         self.state, metrics = self.exe(self.state, self.batch)
         jax.block_until_ready(metrics)
 
@@ -245,7 +245,7 @@ def device_memory(job: Any) -> tuple[int | None, str]:
     if stats and "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"]), "jax device memory_stats peak_bytes_in_use"
     try:
-        m = job.train_executable().memory_analysis()
+        m = job.program.train_executable().memory_analysis()
         return (int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                     - m.alias_size_in_bytes), "compiled train step memory_analysis")
     except Exception:
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from runner.train.job import JOBS
     from runner.parallel.topology import parse_topology
+    from runner.train.job import JOBS
 
     runner_rates: list[float] = []
     base_rates: list[float] = []

@@ -1,14 +1,38 @@
 #!/usr/bin/env bash
 # Set up .venv: find a Python >= 3.12 on this machine, make the virtual environment with it and
-# install runner (editable) with the test and tpu extras. The README's two commands and .ci/run
-# start here. Safe to run again: an existing .venv of a new enough Python is reused.
+# install runner (editable) with what training needs. The README's two commands and .ci/run
+# start here. Safe to run again: an existing .venv of a new enough Python is reused, and extras
+# named later are added to it.
 #
-# Where it looks, in order: $RUNNER_PYTHON, python3.12, python3.13, python3, python on PATH,
-# then pyenv's versions (~/.pyenv/versions/3.1x.y). A pyenv shim for a version that is installed
-# but not selected fails its version check and is skipped, so the version itself is found next.
+#   bash tools/venv.sh                 training only: jax (CPU), flax, optax, orbax, grain, hydra, ...
+#   bash tools/venv.sh test            + the test extra (transformers, torch CPU, lm-eval, ...) and
+#                                      libtpu (the tests compile for TPU topologies: mode=compile)
+#   bash tools/venv.sh cuda            + the GPU plugin of the pinned jax (CUDA 12 wheels; cuda13 for 13)
+#   bash tools/venv.sh tpu             + libtpu: train on a TPU VM, or mode=compile for TPU topologies
+#   bash tools/venv.sh --system-jax    use the jax the chosen Python already has (an NVIDIA or TPU
+#                                      container's): the venv sees its packages and pins that jax
+#
+# Other extras by name: lm_eval, optuna, slurm, bench (pyproject.toml). Where it looks for Python,
+# in order: $RUNNER_PYTHON, python3.12, python3.13, python3, python on PATH, then pyenv's versions
+# (~/.pyenv/versions/3.1x.y). A pyenv shim for a version that is installed but not selected fails
+# its version check and is skipped, so the version itself is found next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+extras=()
+system_jax=0
+for arg in "$@"; do
+    case "$arg" in
+        test) extras+=(test tpu) ;;
+        cuda|cuda13|tpu|lm_eval|optuna|slurm|bench) extras+=("$arg") ;;
+        --system-jax) system_jax=1 ;;
+        *)
+            echo "error: tools/venv.sh does not know '$arg'. Fix: name extras from test, cuda, cuda13, tpu," \
+                 "lm_eval, optuna, slurm, bench, and/or --system-jax (e.g. 'bash tools/venv.sh test')." >&2
+            exit 2 ;;
+    esac
+done
 
 new_enough() {
     "$1" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1
@@ -31,8 +55,27 @@ find_python() {
     return 1
 }
 
+sees_system() {
+    grep -qi '^include-system-site-packages *= *true' .venv/pyvenv.cfg 2>/dev/null
+}
+
+# A Python that is itself a virtual environment (or conda env) with jax: the new venv's "system"
+# would be that Python's base install, so its own site-packages are added through a .pth file.
+see_env_of() {
+    local dirs site
+    dirs=$("$1" -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
+    if [ -n "$dirs" ]; then
+        site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        echo "$dirs" > "$site/_runner_system_jax.pth"
+    fi
+}
+
 if [ -x .venv/bin/python ] && ! new_enough .venv/bin/python; then
     echo "tools/venv.sh: .venv is $(.venv/bin/python -V 2>&1), older than runner needs (3.12+); making it anew." >&2
+    rm -rf .venv
+fi
+if [ -x .venv/bin/python ] && [ "$system_jax" = 1 ] && ! sees_system; then
+    echo "tools/venv.sh: .venv does not see the system's packages, which --system-jax needs; making it anew." >&2
     rm -rf .venv
 fi
 if [ ! -x .venv/bin/python ]; then
@@ -43,7 +86,46 @@ if [ ! -x .venv/bin/python ]; then
              "or name it with RUNNER_PYTHON=/path/to/python3.12, then run this again." >&2
         exit 2
     fi
-    echo "tools/venv.sh: making .venv with $python ($("$python" -V 2>&1))" >&2
-    "$python" -m venv .venv
+    if [ "$system_jax" = 1 ]; then
+        if ! "$python" -c 'import jax' >/dev/null 2>&1; then
+            echo "error: --system-jax uses the jax that $python already has, and it has none. Fix: name the" \
+                 "container's Python with RUNNER_PYTHON=/path/to/python, or leave out --system-jax to install" \
+                 "the pinned jax (add 'cuda' for NVIDIA GPUs)." >&2
+            exit 2
+        fi
+        echo "tools/venv.sh: making .venv with $python ($("$python" -V 2>&1)), seeing its packages" >&2
+        "$python" -m venv --system-site-packages .venv
+        see_env_of "$python"
+    else
+        echo "tools/venv.sh: making .venv with $python ($("$python" -V 2>&1))" >&2
+        "$python" -m venv .venv
+    fi
 fi
-.venv/bin/pip install -q -e '.[test,tpu]'
+
+spec="."
+if [ "${#extras[@]}" -gt 0 ]; then
+    spec=".[$(IFS=,; echo "${extras[*]}")]"
+fi
+if [ "$system_jax" = 1 ] || sees_system; then
+    # The system's jax (and jaxlib, and its GPU or TPU plugin) stays: runner's other requirements
+    # are installed against it, and a requirement that would replace it fails instead.
+    jax_version=$(.venv/bin/python -c 'import jax; print(jax.__version__)')
+    echo "tools/venv.sh: using the system's jax $jax_version (runner is tested with the version pyproject.toml pins)" >&2
+    requirements=$(.venv/bin/python - "${extras[@]}" <<'EOF'
+import re, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+wanted = list(project["dependencies"])
+for extra in sys.argv[1:]:
+    wanted += project["optional-dependencies"][extra]
+print("\n".join(r for r in wanted if re.split(r"[<>=!~\[; ]", r)[0].lower() not in ("jax", "jaxlib")))
+EOF
+)
+    constraints=$(mktemp)
+    trap 'rm -f "$constraints"' EXIT
+    .venv/bin/python -c 'import jax, jaxlib; print(f"jax=={jax.__version__}\njaxlib=={jaxlib.__version__}")' > "$constraints"
+    mapfile -t wanted <<< "$requirements"
+    .venv/bin/pip install -q -c "$constraints" "${wanted[@]}"
+    .venv/bin/pip install -q --no-deps -e .
+else
+    .venv/bin/pip install -q -e "$spec"
+fi

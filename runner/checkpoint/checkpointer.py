@@ -51,7 +51,7 @@ class Restored:
 class SavePolicy:
     """Which steps are saved: every checkpoint.every_steps steps; every checkpoint.every_minutes
     by `clock` (minutes since this launch's start or its latest save); with checkpoint.keep_best,
-    every step whose best_metric was evaluated (so BestN can keep it); and, by `last=True`, the
+    every step whose best_metric was evaluated (so BestN can keep it); and (the caller's final save) the
     last step of a launch. The time decision must be the same on every process: with several,
     `agree` (any process says yes) combines them every `agree_every` steps."""
 
@@ -186,12 +186,12 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Any, meta: Callable[[], dict[str, Any]], last: bool = False) -> bool:
-        """Start saving `state` (a tree of arrays) at `step` if the policy wants this step, or
-        always with `last` (unless this step is saved already); asynchronous unless configured
-        otherwise. `meta()` is the JSON record, built only when a save happens. Returns whether
-        a save began."""
-        if step == self.saved_step or not (last or self.policy.due(step)):
+    def save(self, step: int, state: Any, meta: Callable[[], dict[str, Any]]) -> bool:
+        """Start saving `state` (a tree of arrays) at `step` (unless this step is saved already);
+        asynchronous unless configured otherwise. The caller decides when (its SavePolicy, asked
+        once per step: runner.train.checkpointing). `meta()` is the JSON record, built only when a
+        save happens. Returns whether a save began."""
+        if step == self.saved_step:
             return False
         metrics = self.policy.metrics(step)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta())})

@@ -18,10 +18,10 @@ from typing import Iterator
 
 import numpy as np
 
+from runner.checkpoint.storage import cache_root
 from runner.data.store import META_FILE, write_store
 from runner.data.tokenizer import ByteTokenizer
 from runner.errors import UserError
-from runner.checkpoint.storage import cache_root
 
 STORE_NAME = "stdlib-byte-v1"
 DEFAULT_MAX_BYTES = 8 * 2**20  # a few seconds to prepare, ~8M byte tokens

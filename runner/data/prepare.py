@@ -35,16 +35,30 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from runner.data.store import (
-    FORMATS, META_FILE, SPLITS, TokenStore, build_store, dtype_for_vocab, is_remote, normalize_location,
-)
-from runner.data.tokenizer import (
-    TIKTOKEN_PATTERNS, TOKENIZERS, HFTokenizer, Tokenizer, TrainedBPE, check_user_tokenizer, encode_batch,
-    load_tokenizer, parse_tokenizer_spec,
-)
-from runner.errors import ConfigError, UserError
 from runner.checkpoint.files import atomic_write, atomic_write_json
 from runner.checkpoint.storage import cache_root
+from runner.data.store import (
+    FORMATS,
+    META_FILE,
+    SPLITS,
+    TokenStore,
+    build_store,
+    dtype_for_vocab,
+    is_remote,
+    normalize_location,
+)
+from runner.data.tokenizer import (
+    TIKTOKEN_PATTERNS,
+    TOKENIZERS,
+    HFTokenizer,
+    Tokenizer,
+    TrainedBPE,
+    check_user_tokenizer,
+    encode_batch,
+    load_tokenizer,
+    parse_tokenizer_spec,
+)
+from runner.errors import ConfigError, UserError
 
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 64 * 2**20
@@ -456,8 +470,8 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.style == "rich" or (self.style == "auto" and sys.stderr.isatty()):
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn,
-                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import Progress as Bar
 
             self._bar = Bar(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             TimeRemainingColumn(), console=Console(stderr=True))

@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 
 import numpy as np
 
-from runner.data.tokenizer import TOKENIZERS, Tokenizer
-from runner.errors import UserError
 from runner.checkpoint.files import atomic_write
 from runner.checkpoint.storage import cache_root, is_remote
+from runner.data.tokenizer import TOKENIZERS, Tokenizer
+from runner.errors import UserError
 
 FLAT_FORMAT = FORMAT = "runner-flat-v1"
 ZARR3_FORMAT = "runner-zarr3-v1"

@@ -229,7 +229,8 @@ class TrainedBPE(HFTokenizer):
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, length: int | None = None) -> HFTokenizer:
         """Learn merges from ``texts``; deterministic for the same texts in the same order."""
-        from tokenizers import Tokenizer as HFCore, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as HFCore
+        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         tok = HFCore(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -2,8 +2,15 @@
 lm_eval)."""
 
 from runner.evaluation import generate, harness, heldout, multiple_choice  # noqa: F401  (registers the built-ins)
-from runner.evaluation.base import (EVALUATORS, EvalContext, Evaluator, EvaluatorBase, build_evaluators, check_spec,
-                                    evaluator_class)
+from runner.evaluation.base import (
+                                    EVALUATORS,
+                                    EvalContext,
+                                    Evaluator,
+                                    EvaluatorBase,
+                                    build_evaluators,
+                                    check_spec,
+                                    evaluator_class,
+)
 
 __all__ = ["EVALUATORS", "EvalContext", "Evaluator", "EvaluatorBase", "build_evaluators", "check_spec",
            "evaluator_class"]

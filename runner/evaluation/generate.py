@@ -21,8 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from runner.errors import ConfigError, UserError
-from runner.evaluation.base import (EVALUATORS, EvaluatorBase, global_batch, process_batches, replicated,
-                                    text_tokenizer, to_global)
+from runner.evaluation.base import (
+    EVALUATORS,
+    EvaluatorBase,
+    global_batch,
+    process_batches,
+    replicated,
+    text_tokenizer,
+    to_global,
+)
 from runner.spec import EvaluatorSpec, ExecutionSpec
 
 

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from runner.checkpoint.files import atomic_write
 from runner.errors import UserError
 from runner.exits import PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
-from runner.checkpoint.files import atomic_write
 
 CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 CONFIG_NAME = "config"
@@ -170,10 +170,8 @@ def execute(spec: Any, in_sweep: bool = False) -> None:
         if code:
             sys.exit(code)
         return
-    from runner.parallel import compile_cache
-    from runner.parallel import distributed
     from runner.checkpoint import storage
-
+    from runner.parallel import compile_cache, distributed
     from runner.parallel.topology import parse_topology
 
     writes = {"run.dir": spec.mode == "train" or not spec.eval.checkpoint, "eval.checkpoint": spec.mode == "eval",
@@ -214,6 +212,22 @@ def execute(spec: Any, in_sweep: bool = False) -> None:
 
 
 _in_sweep_process = False  # True in the process that launched a multirun (and runs members locally)
+_prepared: set[str] = set()  # what prepare() has done in this process: "schema", "jobs"
+
+
+def prepare(jobs: bool = True) -> None:
+    """Register the config schema and (with `jobs`) import the job modules, each once per process:
+    in the command (main), or in a sweep member's own process (a SLURM job via submitit), where
+    main() never ran. Hydra's info flags need the schema only."""
+    from runner.spec import register_schema
+    from runner.train.job import load_job_modules
+
+    if "schema" not in _prepared:
+        register_schema()
+        _prepared.add("schema")
+    if jobs and "jobs" not in _prepared:
+        load_job_modules()
+        _prepared.add("jobs")
 
 
 def task(cfg: Any) -> Any:
@@ -223,11 +237,8 @@ def task(cfg: Any) -> Any:
     from hydra.types import RunMode
 
     from runner.main.config import build_spec
-    from runner.train.job import load_job_modules
-    from runner.spec import register_schema
 
-    register_schema()
-    load_job_modules()
+    prepare()
     overrides = list(HydraConfig.get().overrides.task)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         try:
@@ -263,12 +274,11 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
     import jax
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.main.config import build_spec
-    from runner.exits import HookError, TrainingHalted
-    from runner.main.sweep import SweepSummary
-
-    from runner.observability import goodput
     from runner.checkpoint import storage
+    from runner.exits import HookError, TrainingHalted
+    from runner.main.config import build_spec
+    from runner.main.sweep import SweepSummary
+    from runner.observability import goodput
 
     goodput.mark_launch()  # each member is a launch of its own run
     hydra_cfg = HydraConfig.get()
@@ -361,17 +371,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     _quiet_libraries(log_to_stderr=not info_only)
     import hydra
 
-    from runner.train.job import load_job_modules
-    from runner.spec import register_schema
     from runner.main.sweep import SweepSummary, sampler_seed, sweep_root
 
-    register_schema()
+    prepare(jobs=False)
     overrides = command_line_overrides(argv)
     printed = _flag_value(argv, ("-c", "--cfg"))
     printing = printed in ("job", "all") and not flags & {"-h", "--help", "--hydra-help", "-sc", "--shell-completion",
                                                           "-i", "--info", "--version"}
     if not info_only or printing:  # what --cfg job prints is checked as a run's spec is, and shown resolved
-        load_job_modules()
+        prepare()
         precheck(overrides, multirun, build=printing)
         if printing and "--resolve" not in argv:
             argv = [*argv, "--resolve"]

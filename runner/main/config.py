@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from runner import models, optim
-from runner.train import callbacks
-from runner.parallel import distributed
-from runner.train import job
-from runner.parallel import mesh
-from runner.parallel import topology
-from runner import evaluation
+from runner import evaluation, models, optim
 from runner.data import strategies
+from runner.parallel import distributed, mesh, topology
 from runner.spec import ExecutionSpec, resolve_spec
+from runner.train import callbacks, job
 
 SECTION_CHECKS: tuple[Callable[[ExecutionSpec], None], ...] = (
     job.check_spec,  # job.trainer

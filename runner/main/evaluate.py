@@ -19,11 +19,11 @@ from typing import Any
 import jax
 
 from runner.checkpoint.checkpointer import META, STATE, find_state_dir, restore_tree
+from runner.checkpoint.files import atomic_write_json
 from runner.errors import UserError, first_line
 from runner.evaluation.base import prepare_all, run_all
-from runner.checkpoint.files import atomic_write_json
-from runner.train.job import JOBS
 from runner.spec import ExecutionSpec, spec_from_dict
+from runner.train.job import JOBS
 from runner.train.state import TrainState
 
 RESULTS_FILE = "eval_results.json"
@@ -73,7 +73,7 @@ def restore_for_eval(spec: ExecutionSpec) -> tuple[Any, TrainState, Any]:
     optimizer state is read or built). `spec` should come from `spec_for_checkpoint`."""
     step_dir = checkpoint_step_dir(spec)
     job = JOBS.get(spec.job.trainer)(spec)
-    abstract, sharding = job.abstract_state()
+    abstract, sharding = job.program.abstract_state()
     wanted = {"step": abstract.step, "params": abstract.params, "rng": abstract.rng, "guard": abstract.guard}
     try:
         tree = restore_tree(step_dir / STATE, wanted, partial=True)
@@ -83,8 +83,8 @@ def restore_for_eval(spec: ExecutionSpec) -> tuple[Any, TrainState, Any]:
             "evaluate it with the model settings it was trained with (its checkpoints/<step>/meta holds them), "
             "or point eval.checkpoint elsewhere."
         ) from None
-    job.state_sharding = sharding.replace(opt_state=())
-    state = TrainState(step=tree["step"], apply_fn=job.model.apply, params=tree["params"], tx=job.tx,
+    job.program.state_sharding = sharding.replace(opt_state=())
+    state = TrainState(step=tree["step"], apply_fn=job.model.apply, params=tree["params"], tx=job.program.tx,
                        opt_state=(), rng=tree["rng"], guard=tree["guard"])
     return job, state, step_dir
 
@@ -98,7 +98,7 @@ def evaluate_checkpoint(spec: ExecutionSpec) -> dict[str, Any]:
     job, state, step_dir = restore_for_eval(spec)
     context = job.eval_context()
     t0 = time.perf_counter()
-    with job._context():
+    with job.program.context():
         prepare_all(job.evaluators, context)
         metrics, texts = run_all(job.evaluators, context, state)
     step = int(state.step)

@@ -30,8 +30,8 @@ if __name__ == "__main__":  # the command reads files on the CPU: no accelerator
 from runner.checkpoint.checkpointer import META, find_state_dir  # noqa: E402
 from runner.errors import UserError  # noqa: E402
 from runner.exits import USAGE_EXIT_CODE  # noqa: E402
-from runner.models.hf import MODEL_FILE_PATTERNS, CheckpointParams, export_tensors, write_model_dir  # noqa: E402
 from runner.models import family_for  # noqa: E402
+from runner.models.hf import MODEL_FILE_PATTERNS, CheckpointParams, export_tensors, write_model_dir  # noqa: E402
 from runner.spec import spec_from_dict  # noqa: E402
 
 

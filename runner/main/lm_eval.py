@@ -40,7 +40,7 @@ class CheckpointLM(RunnerLM):
             job, state, step_dir = restore(str(checkpoint), str(overrides or "").split())
         except UserError as err:
             exit_with(err)
-        self._stack = job._context()  # mesh and logical-axis rules, for as long as the model is used
+        self._stack = job.program.context()  # mesh and logical-axis rules, for as long as the model is used
         self._stack.__enter__()
         super().__init__(job.eval_context(), state, batch_size, checkpoint=str(step_dir))
 
@@ -53,18 +53,15 @@ class CheckpointLM(RunnerLM):
 
 def restore(checkpoint: str, overrides: list[str]) -> tuple[Any, Any, Any]:
     """(job, state, step directory) for `checkpoint`, as `python -m runner mode=eval` builds them."""
-    from runner.parallel import compile_cache
-    from runner.main.cli import precheck, skip_absent_tpu
+    from runner.main.cli import precheck, prepare, skip_absent_tpu
     from runner.main.config import build_spec
     from runner.main.evaluate import restore_for_eval, spec_for_checkpoint
-    from runner.train.job import load_job_modules
-    from runner.spec import register_schema
+    from runner.parallel import compile_cache
 
     skip_absent_tpu([])  # as `python -m runner` does: no TPU probe where there is none
     if "JAX_PLATFORMS" in os.environ:  # jax is imported already; its backends are not started yet
         jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
-    register_schema()
-    load_job_modules()
+    prepare()
     overrides = ["mode=eval", f"eval.checkpoint={checkpoint}", "eval.evaluators=[]", *overrides]
     spec = spec_for_checkpoint(build_spec(precheck(overrides), overrides))
     compile_cache.enable(spec.run.compile_cache)

@@ -12,12 +12,11 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from runner.models import hf
 from runner.errors import ConfigError
-from runner.models import attention, gpt, llama  # noqa: F401  (register the built-in families)
+from runner.models import attention, gpt, hf, llama  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
-from runner.spec import ExecutionSpec, ModelSpec, validate
 from runner.parallel.topology import parse_topology
+from runner.spec import ExecutionSpec, ModelSpec, validate
 
 __all__ = ["MODEL_FAMILIES", "ModelFamily", "check_spec", "family_for", "import_hf_params", "model_config",
            "with_hf_settings"]

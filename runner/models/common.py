@@ -1,12 +1,25 @@
-"""What the model families share that is not plumbing: dtypes by name and activations by
-transformers' names (so a Hugging Face config's `hidden_act` maps to one function)."""
+"""What both model families (runner.models.gpt, runner.models.llama) use, written once here so that
+neither imports the other:
+
+- dtypes by name, and activations by transformers' names (a Hugging Face config's `hidden_act`
+  maps to one function);
+- the logical axis rules and the initialisers and layers that carry logical axis names;
+- the decoder plumbing around a family's blocks: the KV cache (its type, an empty one, the write
+  and the attention over it), the scanned or unrolled layer stack and the output head, and
+  `Decoder`, the model call both families' models subclass (they supply the hidden states).
+
+Parameter names, shapes, logical axes and initialisers are the families' own; moving them here
+changed none (checkpoints written before still restore).
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 COMPUTE_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -31,3 +44,220 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
+
+
+class Dtypes:
+    """The ``dtype`` (compute) and ``params_dtype`` properties of a config with ``compute_dtype``
+    and ``param_dtype`` fields naming entries of COMPUTE_DTYPES."""
+
+    compute_dtype: str
+    param_dtype: str
+
+    @property
+    def dtype(self) -> Any:
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def params_dtype(self) -> Any:
+        return COMPUTE_DTYPES[self.param_dtype]
+
+
+# ----------------------------------------------------------------------------- logical axes
+
+# Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
+# matters: flax assigns rules first-come and never reuses a mesh axis within one
+# array, so "batch" claims "fsdp" before "embed" does on activations, while
+# weights (which have no batch axis) are FSDP-sharded along "embed".
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("vocab", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("layers", None),
+)
+
+Axes = tuple[str | None, ...]
+
+
+def normal_init(std: float, names: Axes) -> Callable[..., Any]:
+    """Normal(0, std) weights with logical axes ``names``."""
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), names)
+
+
+def zeros_init(names: Axes) -> Callable[..., Any]:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def ones_init(names: Axes) -> Callable[..., Any]:
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+def residual_std(n_layers: int) -> float:
+    """GPT-2's init for projections that write into the residual stream: scaled down so the
+    stream's variance does not grow with depth."""
+    return 0.02 / math.sqrt(2 * n_layers)
+
+
+# ----------------------------------------------------------------------------- layers
+# Call these inside a compact method: the layer they make is a child of that module.
+
+
+def dense(cfg: Any, features: int, names: tuple[str, str], std: float, use_bias: bool, name: str) -> nn.Dense:
+    """A Dense layer, kernel axes ``names``, its bias along the output axis ``names[1]``."""
+    return nn.Dense(features, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                    kernel_init=normal_init(std, names), bias_init=zeros_init((names[1],)), name=name)
+
+
+def embedding(cfg: Any, count: int, names: Axes, name: str) -> nn.Embed:
+    """A table of ``count`` d_model-wide embeddings, Normal(0, 0.02), logical axes ``names``."""
+    return nn.Embed(count, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                    embedding_init=normal_init(0.02, names), name=name)
+
+
+def project_heads(cfg: Any, x: jax.Array, heads: int, axis: str, use_bias: bool, name: str) -> jax.Array:
+    """(B, T, d_model) -> (B, T, heads, head_dim), the heads on logical axis ``axis``.
+
+    Projections are ``nn.Einsum`` rather than ``nn.DenseGeneral``: DenseGeneral initialises a
+    flattened 2-D kernel and, under a mesh, flax constrains that flat array with the 3-D logical
+    spec and fails (flax 0.12.8)."""
+    y = nn.Einsum((cfg.d_model, heads, cfg.head_dim), "btd,dnh->btnh", use_bias=use_bias, dtype=cfg.dtype,
+                  param_dtype=cfg.params_dtype, kernel_init=normal_init(0.02, ("embed", axis, "kv")),
+                  bias_init=zeros_init((axis, "kv")), name=name)(x)
+    return nn.with_logical_constraint(y, ("batch", "length", axis, "kv"))
+
+
+def merge_heads(cfg: Any, y: jax.Array, use_bias: bool) -> jax.Array:
+    """Attention's output projection ``out``: (B, T, n_heads, head_dim) -> (B, T, d_model)."""
+    kernel_init = normal_init(residual_std(cfg.n_layers), ("heads", "kv", "embed"))
+    return nn.Einsum((cfg.n_heads, cfg.head_dim, cfg.d_model), "btnh,nhd->btd", use_bias=use_bias, dtype=cfg.dtype,
+                     param_dtype=cfg.params_dtype, kernel_init=kernel_init, bias_init=zeros_init(("embed",)),
+                     name="out")(y)
+
+
+# ----------------------------------------------------------------------------- decoder plumbing
+
+KVCache = tuple[jax.Array, jax.Array]  # cached (keys, values): (B, L, K, H) for one layer, stacked over layers
+
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "full": None,  # save nothing: recompute the whole block on the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def check_length(cfg: Any, seq_len: int) -> None:
+    if seq_len > cfg.context_length:
+        raise ValueError(f"sequence length {seq_len} exceeds context_length {cfg.context_length}")
+
+
+def empty_cache(cfg: Any, kv_heads: int, batch: int, length: int) -> dict[str, jax.Array]:
+    """An empty cache for ``batch`` rows of up to ``length`` positions: keys and values stacked
+    over layers, (n_layers, batch, length, kv_heads, head_dim) each."""
+    if length > cfg.context_length:
+        raise ValueError(f"cache length {length} exceeds context_length {cfg.context_length}")
+    shape = (cfg.n_layers, batch, length, kv_heads, cfg.head_dim)
+    return {"key": jnp.zeros(shape, cfg.dtype), "value": jnp.zeros(shape, cfg.dtype)}
+
+
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
+                  index: jax.Array | None) -> tuple[jax.Array, KVCache]:
+    """Decoding: the new tokens' keys and values k, v (B, T, K, H) written into this layer's
+    ``cache`` (B, L, K, H) at each row's ``index`` (B,), then the queries q (B, T, N, H), at
+    positions ``index + t``, attending causally over the cache. Returns (output (B, T, N, H),
+    updated cache)."""
+    assert index is not None, "decoding with a cache needs each row's start position"
+    write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
+    cached_k = write(cache[0], k.astype(cache[0].dtype), index)
+    cached_v = write(cache[1], v.astype(cache[1].dtype), index)
+    query_pos = index[:, None] + jnp.arange(q.shape[1])  # (B, T)
+    key_pos = jnp.arange(cached_k.shape[1])  # (L,)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, L): causal over the cache
+    return jax.nn.dot_product_attention(q, cached_k, cached_v, mask=mask[:, None]), (cached_k, cached_v)
+
+
+def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array, shared: tuple[Any, ...],
+                 caches: KVCache | None, index: jax.Array | None,
+                 rngs: tuple[str, ...] = ("params",)) -> tuple[jax.Array, KVCache | None]:
+    """n_layers blocks, ``block(*block_args)(x, *shared, cache, index) -> (x, cache)``: scanned (one
+    compiled block, parameters and cache stacked on a leading "layers" axis, as ``blocks``) or
+    unrolled (``block_i``), rematerialised as ``cfg.remat`` says. Call inside a compact method."""
+    if cfg.remat != "none":
+        # Under scan the loop boundary already stops XLA from CSE-ing the recomputation away, so
+        # prevent_cse would only cost performance.
+        block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat])
+    if cfg.scan_layers:
+        return nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={r: True for r in rngs},
+            in_axes=(*[nn.broadcast] * len(shared), 0, nn.broadcast),
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(*block_args, name="blocks")(x, *shared, caches, index)
+    updated = []
+    for i in range(cfg.n_layers):
+        layer = None if caches is None else (caches[0][i], caches[1][i])
+        x, layer = block(*block_args, name=f"block_{i}")(x, *shared, layer, index)
+        updated.append(layer)
+    if caches is None:
+        return x, None
+    return x, (jnp.stack([u[0] for u in updated]), jnp.stack([u[1] for u in updated]))
+
+
+def output_logits(cfg: Any, x: jax.Array, embed: nn.Embed, new_cache: KVCache | None,
+                  decoding: bool) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+    """float32 logits from the final hidden states (the embedding transposed when tied, else an
+    ``lm_head``), with the updated cache when decoding. Call inside a compact method."""
+    if cfg.tie_embeddings:
+        logits = embed.attend(x)
+    else:
+        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                          kernel_init=normal_init(0.02, ("embed", "vocab")), name="lm_head")(x)
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+    if not decoding:
+        return logits
+    assert new_cache is not None
+    return logits, {"key": new_cache[0], "value": new_cache[1]}
+
+
+class Decoder(nn.Module):
+    """The call both families' language models share: ``int32[B, T] -> float32[B, T, vocab]`` logits.
+
+    Packed documents: ``segment_ids`` (B, T) keep attention inside each document and ``positions``
+    (B, T) restart the positions at each one (runner.data.documents).
+
+    Decoding with a KV cache uses the same call and the same weights: pass ``cache`` (from
+    `init_cache`) and ``index`` (each row's position of its first new token) and get ``(logits,
+    updated cache)``. A prompt is fed once (index 0), then one token at a time.
+
+    A family's model says how many key/value heads it caches (`kv_heads`) and computes the
+    hidden states (`hidden`); the output head is `output_logits`."""
+
+    cfg: Any
+
+    @property
+    def kv_heads(self) -> int:
+        raise NotImplementedError
+
+    def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
+        """An empty cache (see `empty_cache`), `kv_heads` wide."""
+        return empty_cache(self.cfg, self.kv_heads, batch, length)
+
+    def hidden(self, tokens: jax.Array, deterministic: bool, caches: KVCache | None, index: jax.Array | None,
+               segment_ids: jax.Array | None,
+               positions: jax.Array | None) -> tuple[jax.Array, nn.Embed, KVCache | None]:
+        """(the final, normed hidden states (B, T, d_model), the token embedding (the output head
+        when tied), the updated caches or None). Runs inside `__call__`'s compact scope."""
+        raise NotImplementedError
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
+                 cache: dict[str, jax.Array] | None = None, index: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+        check_length(self.cfg, tokens.shape[1])
+        caches = None if cache is None else (cache["key"], cache["value"])
+        x, embed, new_cache = self.hidden(tokens, deterministic, caches, index, segment_ids, positions)
+        return output_logits(self.cfg, x, embed, new_cache, decoding=cache is not None)

@@ -11,8 +11,6 @@ deprecated ``with mesh:`` does not set).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,35 +21,14 @@ from flax import linen as nn
 from runner.errors import ConfigError
 from runner.models import gpt_hf
 from runner.models.attention import attend
-from runner.models.common import COMPUTE_DTYPES, activation
+from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLICIES, Decoder, Dtypes, KVCache,
+    activation, attend_cached, dense, embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks,
+    zeros_init)
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
-
-# Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
-# matters: flax assigns rules first-come and never reuses a mesh axis within one
-# array, so "batch" claims "fsdp" before "embed" does on activations, while
-# weights (which have no batch axis) are FSDP-sharded along "embed".
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("vocab", "tensor"),
-    ("kv", None),
-    ("length", None),
-    ("layers", None),
-)
-
-KVCache = tuple[jax.Array, jax.Array]  # one layer's cached (keys, values), (B, L, N, H) each
-
-_COMPUTE_DTYPES = COMPUTE_DTYPES
-_REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
-    "full": None,  # save nothing: recompute the whole block on the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(Dtypes):
     """Model hyperparameters; ``d_ff == 0`` means the GPT-2 default ``4 * d_model``."""
 
     vocab_size: int
@@ -79,9 +56,9 @@ class GPTConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
         for name in ("compute_dtype", "param_dtype"):
-            if getattr(self, name) not in _COMPUTE_DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(_COMPUTE_DTYPES)}")
-        if self.remat not in ("none", *_REMAT_POLICIES):
+            if getattr(self, name) not in COMPUTE_DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(COMPUTE_DTYPES)}")
+        if self.remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"remat must be 'none', 'full' or 'dots', got {self.remat!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
@@ -90,85 +67,6 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    @property
-    def dtype(self) -> Any:
-        return _COMPUTE_DTYPES[self.compute_dtype]
-
-    @property
-    def params_dtype(self) -> Any:
-        return _COMPUTE_DTYPES[self.param_dtype]
-
-
-def _init(std: float, names: tuple[str | None, ...]) -> Callable[..., Any]:
-    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), names)
-
-
-def _zeros(names: tuple[str | None, ...]) -> Callable[..., Any]:
-    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-# ----------------------------------------------------------------------------- decoder plumbing
-# (shared with the llama family: the layer stack, the cache and the output head)
-
-
-def empty_cache(cfg: Any, kv_heads: int, batch: int, length: int) -> dict[str, jax.Array]:
-    """An empty cache for ``batch`` rows of up to ``length`` positions: keys and values stacked
-    over layers, (n_layers, batch, length, kv_heads, head_dim) each."""
-    if length > cfg.context_length:
-        raise ValueError(f"cache length {length} exceeds context_length {cfg.context_length}")
-    shape = (cfg.n_layers, batch, length, kv_heads, cfg.head_dim)
-    return {"key": jnp.zeros(shape, cfg.dtype), "value": jnp.zeros(shape, cfg.dtype)}
-
-
-def check_length(cfg: Any, seq_len: int) -> None:
-    if seq_len > cfg.context_length:
-        raise ValueError(f"sequence length {seq_len} exceeds context_length {cfg.context_length}")
-
-
-def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array, shared: tuple[Any, ...],
-                 caches: KVCache | None, index: jax.Array | None,
-                 rngs: tuple[str, ...] = ("params",)) -> tuple[jax.Array, KVCache | None]:
-    """n_layers blocks, ``block(*block_args)(x, *shared, cache, index) -> (x, cache)``: scanned (one
-    compiled block, parameters and cache stacked on a leading "layers" axis, as ``blocks``) or
-    unrolled (``block_i``), rematerialised as ``cfg.remat`` says. Call inside a compact method."""
-    if cfg.remat != "none":
-        # Under scan the loop boundary already stops XLA from CSE-ing the recomputation away, so
-        # prevent_cse would only cost performance.
-        block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=_REMAT_POLICIES[cfg.remat])
-    if cfg.scan_layers:
-        return nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={r: True for r in rngs},
-            in_axes=(*[nn.broadcast] * len(shared), 0, nn.broadcast),
-            length=cfg.n_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(*block_args, name="blocks")(x, *shared, caches, index)
-    updated = []
-    for i in range(cfg.n_layers):
-        layer = None if caches is None else (caches[0][i], caches[1][i])
-        x, layer = block(*block_args, name=f"block_{i}")(x, *shared, layer, index)
-        updated.append(layer)
-    if caches is None:
-        return x, None
-    return x, (jnp.stack([u[0] for u in updated]), jnp.stack([u[1] for u in updated]))
-
-
-def output_logits(cfg: Any, x: jax.Array, embed: nn.Embed, new_cache: KVCache | None,
-                  decoding: bool) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
-    """float32 logits from the final hidden states (the embedding transposed when tied, else an
-    ``lm_head``), with the updated cache when decoding. Call inside a compact method."""
-    if cfg.tie_embeddings:
-        logits = embed.attend(x)
-    else:
-        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                          kernel_init=_init(0.02, ("embed", "vocab")), name="lm_head")(x)
-    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
-    if not decoding:
-        return logits
-    assert new_cache is not None
-    return logits, {"key": new_cache[0], "value": new_cache[1]}
-
 
 def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(
@@ -176,27 +74,16 @@ def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
         dtype=cfg.dtype,
         param_dtype=cfg.params_dtype,
         use_bias=cfg.use_bias,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
-        bias_init=_zeros(("embed",)),
+        scale_init=ones_init(("embed",)),
+        bias_init=zeros_init(("embed",)),
         name=name,
     )
 
 
-def _residual_std(cfg: GPTConfig) -> float:
-    # GPT-2: projections that write into the residual stream are scaled down so
-    # the stream's variance does not grow with depth.
-    return 0.02 / math.sqrt(2 * cfg.n_layers)
-
-
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention via ``jax.nn.dot_product_attention``.
-
-    Projections are ``nn.Einsum`` rather than ``nn.DenseGeneral``: DenseGeneral
-    initialises a flattened 2-D kernel and, under a mesh, flax constrains that
-    flat array with the 3-D logical spec and fails (flax 0.12.8).  There is no
-    attention-probability dropout: the fused op has none; residual dropout after
-    the output projection is kept.
-    """
+    """Multi-head causal attention (``cfg.attention``; the projections: see `project_heads`).
+    There is no attention-probability dropout: the fused op has none; residual dropout after the
+    output projection is kept."""
 
     cfg: GPTConfig
     deterministic: bool = True
@@ -209,42 +96,12 @@ class CausalSelfAttention(nn.Module):
         each) attention of the new tokens at per-row positions ``index + t`` over the cache,
         into which their keys and values are written. Returns (output, updated cache or None)."""
         cfg = self.cfg
-        def proj(name: str) -> jax.Array:
-            y = nn.Einsum(
-                (cfg.d_model, cfg.n_heads, cfg.head_dim),
-                "btd,dnh->btnh",
-                use_bias=cfg.use_bias,
-                dtype=cfg.dtype,
-                param_dtype=cfg.params_dtype,
-                kernel_init=_init(0.02, ("embed", "heads", "kv")),
-                bias_init=_zeros(("heads", "kv")),
-                name=name,
-            )(x)
-            return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
-
-        q, k, v = proj("query"), proj("key"), proj("value")
+        q, k, v = (project_heads(cfg, x, cfg.n_heads, "heads", cfg.use_bias, n) for n in ("query", "key", "value"))
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids)  # (B, T, N, H)
         else:
-            assert index is not None, "decoding with a cache needs each row's start position"
-            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
-            cached_k = write(cache[0], k.astype(cache[0].dtype), index)
-            cached_v = write(cache[1], v.astype(cache[1].dtype), index)
-            query_pos = index[:, None] + jnp.arange(x.shape[1])  # (B, T)
-            key_pos = jnp.arange(cached_k.shape[1])  # (L,)
-            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (B, T, L): causal over the cache
-            y = jax.nn.dot_product_attention(q, cached_k, cached_v, mask=mask[:, None])
-            cache = (cached_k, cached_v)
-        y = nn.Einsum(
-            (cfg.n_heads, cfg.head_dim, cfg.d_model),
-            "btnh,nhd->btd",
-            use_bias=cfg.use_bias,
-            dtype=cfg.dtype,
-            param_dtype=cfg.params_dtype,
-            kernel_init=_init(_residual_std(cfg), ("heads", "kv", "embed")),
-            bias_init=_zeros(("embed",)),
-            name="out",
-        )(y)
+            y, cache = attend_cached(q, k, v, cache, index)
+        y = merge_heads(cfg, y, cfg.use_bias)
         return nn.Dropout(cfg.dropout, deterministic=self.deterministic)(y), cache
 
 
@@ -257,25 +114,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        h = nn.Dense(
-            cfg.d_ff,
-            use_bias=cfg.use_bias,
-            dtype=cfg.dtype,
-            param_dtype=cfg.params_dtype,
-            kernel_init=_init(0.02, ("embed", "mlp")),
-            bias_init=_zeros(("mlp",)),
-            name="fc",
-        )(x)
+        h = dense(cfg, cfg.d_ff, ("embed", "mlp"), 0.02, cfg.use_bias, "fc")(x)
         h = nn.with_logical_constraint(activation(cfg.activation)(h), ("batch", "length", "mlp"))
-        y = nn.Dense(
-            cfg.d_model,
-            use_bias=cfg.use_bias,
-            dtype=cfg.dtype,
-            param_dtype=cfg.params_dtype,
-            kernel_init=_init(_residual_std(cfg), ("mlp", "embed")),
-            bias_init=_zeros(("embed",)),
-            name="proj",
-        )(h)
+        y = dense(cfg, cfg.d_model, ("mlp", "embed"), residual_std(cfg.n_layers), cfg.use_bias, "proj")(h)
         return nn.Dropout(cfg.dropout, deterministic=self.deterministic)(y)
 
 
@@ -297,63 +138,35 @@ class Block(nn.Module):
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 
-class GPT(nn.Module):
-    """GPT-2 language model: ``int32[B, T] -> float32[B, T, vocab]`` logits.
-
-    Packed documents: ``segment_ids`` (B, T) keep attention inside each document and
-    ``positions`` (B, T) restart the learned positions at each one (runner.data.documents).
-
-    Decoding with a KV cache uses the same call and the same weights: pass ``cache`` (from
-    ``init_cache``) and ``index`` (each row's position of its first new token) and get
-    ``(logits, updated cache)``. A prompt is fed once (index 0), then one token at a time.
-    """
+class GPT(Decoder):
+    """GPT-2 language model, learned positions (the call, packing and decoding: see `Decoder`)."""
 
     cfg: GPTConfig
 
-    def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
-        """An empty cache (see `empty_cache`)."""
-        return empty_cache(self.cfg, self.cfg.n_heads, batch, length)
+    @property
+    def kv_heads(self) -> int:
+        return self.cfg.n_heads
 
-    @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
-                 cache: dict[str, jax.Array] | None = None, index: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+    def hidden(self, tokens: jax.Array, deterministic: bool, caches: KVCache | None, index: jax.Array | None,
+               segment_ids: jax.Array | None,
+               positions: jax.Array | None) -> tuple[jax.Array, nn.Embed, KVCache | None]:
         cfg = self.cfg
-        _, seq_len = tokens.shape
-        check_length(cfg, seq_len)
-
-        wte = nn.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            dtype=cfg.dtype,
-            param_dtype=cfg.params_dtype,
-            embedding_init=_init(0.02, ("vocab", "embed")),
-            name="wte",
-        )
-        wpe = nn.Embed(
-            cfg.context_length,
-            cfg.d_model,
-            dtype=cfg.dtype,
-            param_dtype=cfg.params_dtype,
-            embedding_init=_init(0.02, (None, "embed")),
-            name="wpe",
-        )
-        if cache is None:
+        seq_len = tokens.shape[1]
+        wte = embedding(cfg, cfg.vocab_size, ("vocab", "embed"), "wte")
+        wpe = embedding(cfg, cfg.context_length, (None, "embed"), "wpe")
+        if caches is None:
             x = wte(tokens) + (wpe(jnp.arange(seq_len))[None] if positions is None else wpe(positions))
         else:
             index = jnp.asarray(index, jnp.int32)
             x = wte(tokens) + wpe(index[:, None] + jnp.arange(seq_len))
-            layer_caches = (cache["key"], cache["value"])
         x = nn.Dropout(cfg.dropout, deterministic=deterministic)(x)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
         # One compiled block when scanned: each layer's slice of the cache is scanned in, the
         # updated slices stacked back.
-        x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (segment_ids,),
-                                    None if cache is None else layer_caches, index, rngs=("params", "dropout"))
-        x = _layer_norm(cfg, "ln_f")(x)
-        return output_logits(cfg, x, wte, new_cache, decoding=cache is not None)
+        x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (segment_ids,), caches, index,
+                                    rngs=("params", "dropout"))
+        return _layer_norm(cfg, "ln_f")(x), wte, new_cache
 
 
 def param_count(cfg: GPTConfig, include_embeddings: bool = True) -> int:

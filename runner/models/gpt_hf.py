@@ -13,7 +13,7 @@ from runner.models.hf import HFTensor, Refused, activation_rule, inert, into, on
 ARCHITECTURE = "GPT2LMHeadModel"
 BASE_PREFIX = "transformer."  # the hub's own gpt2 files name tensors without it (saved from GPT2Model)
 
-# transformers' GPT2Config defaults for the fields whose absence matters (tests/test_hf_config.py)
+# transformers' GPT2Config defaults for the fields whose absence matters (tests/models/test_hf_config.py)
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
     "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,

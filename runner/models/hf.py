@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from runner.errors import ConfigError, UserError, first_line
 from runner.checkpoint.files import atomic_write_json
+from runner.errors import ConfigError, UserError, first_line
 
 HF_PREFIX = "hf:"
 INDEX_FILE = "model.safetensors.index.json"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,18 +24,15 @@ import numpy as np
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models.hf import HFTensor, one, same, zeros_of
 from runner.models import llama_hf
 from runner.models.attention import attend
-from runner.models.common import COMPUTE_DTYPES, activation
+from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
+    embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks)
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
-from runner.models.gpt import LOGICAL_AXIS_RULES as GPT_RULES, check_length, empty_cache, output_logits, stack_blocks
-
-KVCache = tuple[jax.Array, jax.Array]
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(Dtypes):
     vocab_size: int
     context_length: int
     d_model: int
@@ -75,22 +71,14 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
 
-    @property
-    def dtype(self) -> Any:
-        return COMPUTE_DTYPES[self.compute_dtype]
-
-    @property
-    def params_dtype(self) -> Any:
-        return COMPUTE_DTYPES[self.param_dtype]
-
 
 def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
-    """GPT's rules plus the key/value heads: split over the tensor axis when it divides them; with
-    fewer key/value heads than tensor shards (n_kv_heads=1, say), they are replicated on every
-    tensor shard (each holds all of K and V, as MaxText and Levanter do), costing memory, not
-    correctness."""
+    """The shared rules (runner.models.common.LOGICAL_AXIS_RULES, GPT's) plus the key/value heads:
+    split over the tensor axis when it divides them; with fewer key/value heads than tensor shards
+    (n_kv_heads=1, say), they are replicated on every tensor shard (each holds all of K and V, as
+    MaxText and Levanter do), costing memory, not correctness."""
     kv = "tensor" if tensor > 1 and cfg.n_kv_heads % tensor == 0 else None
-    return (*GPT_RULES[:4], ("kv_heads", kv), *GPT_RULES[4:])
+    return (*LOGICAL_AXIS_RULES[:4], ("kv_heads", kv), *LOGICAL_AXIS_RULES[4:])
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -161,39 +149,24 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
-                            (x.shape[-1],), self.param_dtype)
+        weight = self.param("scale", ones_init((self.axis_name,)), (x.shape[-1],), self.param_dtype)
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
         return (weight * h).astype(self.dtype)
 
 
-def _init(std: float, names: tuple[str | None, ...]) -> Callable[..., Any]:
-    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), names)
-
-
-def _zeros(names: tuple[str | None, ...]) -> Callable[..., Any]:
-    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
 class Attention(nn.Module):
+    """Grouped-query causal attention with rotary positions (and QK-norm when cfg.qk_norm)."""
+
     cfg: LlamaConfig
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
-
-        def proj(name: str, heads: int, axis: str) -> jax.Array:
-            y = nn.Einsum((cfg.d_model, heads, cfg.head_dim), "btd,dnh->btnh", use_bias=cfg.qkv_bias,
-                          dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                          kernel_init=_init(0.02, ("embed", axis, "kv")),
-                          bias_init=_zeros((axis, "kv")), name=name)(x)
-            return nn.with_logical_constraint(y, ("batch", "length", axis, "kv"))
-
-        q = proj("query", cfg.n_heads, "heads")
-        k = proj("key", cfg.n_kv_heads, "kv_heads")
-        v = proj("value", cfg.n_kv_heads, "kv_heads")
+        q = project_heads(cfg, x, cfg.n_heads, "heads", cfg.qkv_bias, "query")
+        k = project_heads(cfg, x, cfg.n_kv_heads, "kv_heads", cfg.qkv_bias, "key")
+        v = project_heads(cfg, x, cfg.n_kv_heads, "kv_heads", cfg.qkv_bias, "value")
         if cfg.qk_norm:
             q = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", cfg.params_dtype, name="query_norm")(q)
             k = RMSNorm(cfg.norm_eps, cfg.dtype, "kv", cfg.params_dtype, name="key_norm")(k)
@@ -201,20 +174,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"))
-        else:
-            assert index is not None, "decoding with a cache needs each row's start position"
-            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
-            cached_k = write(cache[0], k.astype(cache[0].dtype), index)
-            cached_v = write(cache[1], v.astype(cache[1].dtype), index)
-            key_pos = jnp.arange(cached_k.shape[1])
-            mask = key_pos[None, None, :] <= positions[:, :, None]
-            y = jax.nn.dot_product_attention(q, cached_k, cached_v, mask=mask[:, None])
-            cache = (cached_k, cached_v)
-        y = nn.Einsum((cfg.n_heads, cfg.head_dim, cfg.d_model), "btnh,nhd->btd", use_bias=cfg.out_bias,
-                      dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                      kernel_init=_init(0.02 / math.sqrt(2 * cfg.n_layers), ("heads", "kv", "embed")),
-                      bias_init=_zeros(("embed",)), name="out")(y)
-        return y, cache
+        else:  # positions are index + t when decoding (Llama.hidden)
+            y, cache = attend_cached(q, k, v, cache, index)
+        return merge_heads(cfg, y, cfg.out_bias), cache
 
 
 class MLP(nn.Module):
@@ -225,15 +187,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-
-        def dense(name: str, features: int, names: tuple[str, str], std: float) -> nn.Dense:
-            return nn.Dense(features, use_bias=cfg.mlp_bias, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                            kernel_init=_init(std, names), bias_init=_zeros((names[1],)), name=name)
-
         act = activation(cfg.activation)
-        h = act(dense("gate", cfg.d_ff, ("embed", "mlp"), 0.02)(x)) * dense("up", cfg.d_ff, ("embed", "mlp"), 0.02)(x)
-        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-        return dense("down", cfg.d_model, ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layers))(h)
+        gate = dense(cfg, cfg.d_ff, ("embed", "mlp"), 0.02, cfg.mlp_bias, "gate")
+        up = dense(cfg, cfg.d_ff, ("embed", "mlp"), 0.02, cfg.mlp_bias, "up")
+        h = nn.with_logical_constraint(act(gate(x)) * up(x), ("batch", "length", "mlp"))
+        return dense(cfg, cfg.d_model, ("mlp", "embed"), residual_std(cfg.n_layers), cfg.mlp_bias, "down")(h)
 
 
 class Block(nn.Module):
@@ -252,36 +210,28 @@ class Block(nn.Module):
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 
-class Llama(nn.Module):
-    """``int32[B, T] -> float32[B, T, vocab]`` logits; with ``cache`` and ``index`` (as GPT's),
-    ``(logits, updated cache)`` for decoding. Packed documents: ``segment_ids`` (B, T) keep
-    attention inside each document, ``positions`` (B, T) restart the rotary positions."""
+class Llama(Decoder):
+    """The Llama-family language model, rotary positions (the call, packing and decoding: see
+    runner.models.common.Decoder)."""
 
     cfg: LlamaConfig
 
-    def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
-        """An empty cache (see runner.models.gpt.empty_cache), n_kv_heads wide."""
-        return empty_cache(self.cfg, self.cfg.n_kv_heads, batch, length)
+    @property
+    def kv_heads(self) -> int:
+        return self.cfg.n_kv_heads
 
-    @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
-                 cache: dict[str, jax.Array] | None = None, index: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+    def hidden(self, tokens: jax.Array, deterministic: bool, caches: KVCache | None, index: jax.Array | None,
+               segment_ids: jax.Array | None,
+               positions: jax.Array | None) -> tuple[jax.Array, nn.Embed, KVCache | None]:
         cfg = self.cfg
         batch, seq_len = tokens.shape
-        check_length(cfg, seq_len)
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                         embedding_init=_init(0.02, ("vocab", "embed")), name="embed")
-        if positions is None or cache is not None:
-            start = jnp.zeros((batch,), jnp.int32) if cache is None else jnp.asarray(index, jnp.int32)
+        embed = embedding(cfg, cfg.vocab_size, ("vocab", "embed"), "embed")
+        if positions is None or caches is not None:
+            start = jnp.zeros((batch,), jnp.int32) if caches is None else jnp.asarray(index, jnp.int32)
             positions = start[:, None] + jnp.arange(seq_len)[None]
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
-        layer_caches = None if cache is None else (cache["key"], cache["value"])
-
-        x, new_cache = stack_blocks(Block, (cfg,), cfg, x, (positions, segment_ids), layer_caches, index)
-        x = RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x)
-        return output_logits(cfg, x, embed, new_cache, decoding=cache is not None)
+        x, new_cache = stack_blocks(Block, (cfg,), cfg, x, (positions, segment_ids), caches, index)
+        return RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x), embed, new_cache
 
 
 def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:

@@ -14,14 +14,26 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from runner.errors import ConfigError
-from runner.models.hf import HFTensor, Refused, Rule, activation_rule, inert, into, one, only, read_hf_config, same, zeros_of
+from runner.models.hf import (
+    HFTensor,
+    Refused,
+    Rule,
+    activation_rule,
+    inert,
+    into,
+    one,
+    only,
+    read_hf_config,
+    same,
+    zeros_of,
+)
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
 ARCHITECTURES = {arch: model_type for model_type, arch in MODEL_TYPES.items()}
 
 # transformers' config-class defaults for the fields whose absence from config.json matters
-# (tests/test_hf_config.py holds them against transformers' own classes).
+# (tests/models/test_hf_config.py holds them against transformers' own classes).
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_key_value_heads": None,
     "rope_parameters": None, "attention_dropout": 0.0,

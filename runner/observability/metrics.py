@@ -165,6 +165,15 @@ class MetricsLogger:
         self._file = JsonLines(self.path) if self.active else None
         self.tensorboard = self._start_tensorboard(run_dir, resumed_step) if self.active and tensorboard else None
 
+    @classmethod
+    def for_run(cls, spec: Any, run_dir: Any, wandb_run_id: str | None, resumed_step: int | None) -> "MetricsLogger":
+        """The logger of one launch of the run `spec` describes (its logging and train sections);
+        `wandb_run_id` (from the checkpoint) continues the same wandb run."""
+        return cls(run_dir, progress=spec.logging.progress, total_steps=spec.train.steps, log_every=spec.train.log_every,
+                   wandb_mode=spec.logging.wandb, wandb_project=spec.logging.project, wandb_entity=spec.logging.entity,
+                   wandb_run_id=wandb_run_id, run_name=storage.name(spec.run.dir), config=spec.to_dict(),
+                   wandb_group=spec.run.sweep, tensorboard=spec.logging.tensorboard, resumed_step=resumed_step)
+
     @staticmethod
     def _start_tensorboard(run_dir: Any, resumed_step: int | None) -> Any:
         """One event writer per launch in <run.dir>/tensorboard (process 0). Each launch purges what

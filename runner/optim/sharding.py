@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def restricted_spec(leaf_shape: tuple[int, ...], param_shape: tuple[int, ...], spec: P) -> P:

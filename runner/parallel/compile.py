@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from runner.errors import UserError, first_line
 from runner.exits import DOES_NOT_FIT_EXIT_CODE
-from runner.spec import ExecutionSpec
 from runner.parallel.topology import GiB, Topology, aot_topology_args, parse_topology
+from runner.spec import ExecutionSpec
 
-INSTALL_TPU_EXTRA = "pip install -e '.[tpu]'"
+INSTALL_TPU_EXTRA = "bash tools/venv.sh tpu"  # or pip install -e '.[tpu]'
 
 
 class LibtpuMissing(UserError):
@@ -330,9 +330,9 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
     topology = parse_topology(spec.topology)
     devices = compile_devices(topology)
     job = job_class(spec, devices=devices)
-    abstract, job.state_sharding = job.abstract_state()
-    batch = job.abstract_batch()
-    step = job.compiled_train_step  # the very function training runs
+    abstract, job.program.state_sharding = job.program.abstract_state()
+    batch = job.program.abstract_batch()
+    step = job.program.train_step  # the very function training runs
     limit, limit_source = _limit(topology, devices)
     report = CompileReport(
         job=spec.job.name, topology=topology.name, devices=len(devices),
@@ -349,7 +349,7 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
         optimizer_state_dtype=spec.optimizer.state_dtype,
     )
     start = time.perf_counter()
-    with job._context():
+    with job.program.context():
         lowered = step.lower(abstract, batch)
     try:
         compiled = lowered.compile()

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from runner.errors import ConfigError, UserError
 from runner.parallel.topology import parse_topology

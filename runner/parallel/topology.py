@@ -296,7 +296,7 @@ def aot_topology_args(topology: Topology) -> dict[str, Any]:
     MaxText's accelerator table: ``v4:2x2x4``, v5p spelled ``v5:...``, ``v5e:4x4``, ``v6e:2x4``,
     ``tpu7x:2x2x2``. Checked against libtpu 0.0.50.1 for v2, v3, v4, v5p, v5e, v6e and tpu7x,
     single- and multi-slice
-    (``tests/test_aot.py`` keeps it checked): every argument matters there. Without
+    (``tests/parallel/test_compile.py`` keeps it checked): every argument matters there. Without
     ``chip_config_name="megacore"`` a v4/v5p slice has one device per TensorCore (twice too
     many), and without ``chips_per_host_bounds=(2, 4, 1)`` an 8-chip v5e/v6e host becomes two
     hosts.

@@ -6,9 +6,9 @@
     GuardStop       the numerical guard's policy (guard.*): halts the run
     StopRequests    signals, time limit, launch step limit, stop file (agreed across processes)
     Evaluation      the evaluators, each at its own cadence, plus the start and final evaluations
-    Checkpoints     asks the checkpointer's policy (step, time, best-K) at every step
 
-The order of the list the trainer builds is the order they act in at a step.
+The checkpoints are a component too (runner.train.checkpointing). The order of the list the
+trainer builds is the order they act in at a step.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import jax
 
 from runner.observability import debug
-from runner.checkpoint.checkpointer import Checkpointer
+from runner.observability.metrics import MetricsLogger, Timer
+from runner.observability.throughput import Throughput
+from runner.spec import ExecutionSpec
 from runner.train.guards import GuardMonitor
 from runner.train.loop import Component, Loop
-from runner.observability.metrics import MetricsLogger, Timer
-from runner.spec import ExecutionSpec
 from runner.train.stopping import StopConditions
-from runner.observability.throughput import Throughput
 
 
 class ProfilerWindow(Component):
@@ -134,20 +133,3 @@ class Evaluation(Component):
     def after_step(self, loop: Loop, step: int) -> None:
         if self._due:
             self.evaluate(self._due)
-
-
-class Checkpoints(Component):
-    """Saves whenever the checkpointer's policy says so (steps, time, an evaluation of the best
-    metric); the last step of a launch is saved by the job itself, after its final evaluation."""
-
-    def __init__(self, checkpointer: Checkpointer, save: Callable[[], Any]) -> None:
-        self.checkpointer, self.save = checkpointer, save
-
-    def needs_metrics(self, loop: Loop, step: int) -> bool:
-        # The step's metrics are logged before its state is saved, so a kill after the save
-        # loses no line of metrics.jsonl.
-        return step < loop.total and self.checkpointer.policy.due(step)
-
-    def after_step(self, loop: Loop, step: int) -> None:
-        if step < loop.total and not loop.stopping:
-            self.save()

@@ -13,11 +13,11 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from runner.checkpoint.storage import path as storage_path
 from runner.errors import ConfigError
 from runner.exits import HookError
 from runner.registry import Registry
 from runner.spec import ExecutionSpec
-from runner.checkpoint.storage import path as storage_path
 
 C = TypeVar("C")  # the job's model config type
 

@@ -15,8 +15,8 @@ import jax
 import optax
 from flax.training import train_state
 
-from runner.train.guards import initial_guard_state
 from runner.optim.sharding import opt_state_sharding
+from runner.train.guards import initial_guard_state
 
 
 class TrainState(train_state.TrainState):

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from runner.observability import debug
 from runner.data.documents import model_inputs
-from runner.train.guards import guard_update
+from runner.observability import debug
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
+from runner.train.guards import guard_update
 
 Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"} (+ "segment_ids", "positions"), each (S, B, T)
 # (state, params, micro-batch, key) -> (summed loss over real targets, number of real targets)

@@ -5,7 +5,7 @@ A job subclasses it and says how to build its model config and model. The parts 
     runner.train.state       the train state: abstract shapes and shardings, sharded init
     runner.train.steps       the pure train/val steps, compiled with shardings
     runner.train.loop        the step loop, and the components (runner.train.hooks) that own each cadence
-    runner.checkpoint.checkpointer  save/restore, the save policy, best-K bookkeeping
+    runner.train.checkpointing  the checkpoints: restore, saves at the policy's cadence, the final save
     runner.evaluation  evaluators, which see an EvalContext, not this class
 
 `RestoreableJob.run` (runner.train.job) is the template: load -> done? -> train -> final save ->
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import functools
 import itertools
 import signal
@@ -32,42 +31,37 @@ import numpy as np
 import optax
 
 from runner.checkpoint import checkpointer as ckpt
-from runner.observability import debug
-from runner.train import faults
-from runner.observability import goodput
-from runner.observability import runcard
-from runner.train import state as st
-from runner.train import steps
-from runner.checkpoint import storage
-from runner.train.callbacks import CallbackList
 from runner.data.documents import DocumentMasked
 from runner.data.loader import BatchLoader
 from runner.data.strategies import DatasetStrategy, build_strategy
-from runner.parallel.distributed import any_process
 from runner.errors import UserError
 from runner.evaluation.base import EvalContext, Evaluator, build_evaluators, prepare_all, run_all
 from runner.exits import HookError, Preempted, TrainingHalted
+from runner.models import ModelFamily, family_for
+from runner.models.hf import HF_PREFIX
+from runner.observability import debug, goodput, runcard
 from runner.observability.goodput import Goodput
+from runner.observability.metrics import METRICS_FILE, MetricsLogger, truncate_jsonl
+from runner.observability.throughput import Throughput
+from runner.parallel.mesh import make_mesh, resolve_mesh_shape
+from runner.parallel.topology import check_devices, parse_topology
+from runner.spec import ExecutionSpec
+from runner.train import faults, steps
+from runner.train import state as st
+from runner.train.callbacks import CallbackList
+from runner.train.checkpointing import Checkpointing
 from runner.train.guards import GuardMonitor
 from runner.train.heap import frozen_heap
-from runner.models.hf import HF_PREFIX
-from runner.train.hooks import Checkpoints, Evaluation, GuardStop, MetricsReport, ProfilerWindow, StepHooks, StopRequests
+from runner.train.hooks import Evaluation, GuardStop, MetricsReport, ProfilerWindow, StepHooks, StopRequests
 from runner.train.job import C, RestoreableJob
 from runner.train.loop import Ending, Loop
-from runner.parallel.mesh import make_mesh, microbatch_sharding, resolve_mesh_shape
-from runner.observability.metrics import METRICS_FILE, MetricsLogger, truncate_jsonl
-from runner.optim import build_optimizer, build_schedule, optimizer_settings, schedule_extra
-from runner.optim.optimizers import param_axis_names
-from runner.spec import ExecutionSpec
+from runner.train.program import Program
 from runner.train.state import TrainState
 from runner.train.stopping import StopConditions, consume_stop_file
-from runner.observability.throughput import Throughput
-from runner.parallel.topology import check_devices, parse_topology
 
 M = TypeVar("M")  # the model type
 
 Batch = steps.Batch
-SNAPSHOTS = "snapshots"
 
 __all__ = ["BaseTrainer", "TrainState", "Preempted", "TrainingHalted"]
 
@@ -77,10 +71,13 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     logical_axis_rules: Sequence[tuple[str, Any]] = ()
 
-    def __init__(self, spec: ExecutionSpec, devices: Sequence[Any] | None = None) -> None:
+    def __init__(self, spec: ExecutionSpec, devices: Sequence[Any] | None = None,
+                 family: Optional[ModelFamily] = None) -> None:
         """``devices`` defaults to ``jax.devices()``; mode=compile passes a topology's
-        compile-only devices instead, so the same mesh and shardings exist without the hardware."""
+        compile-only devices instead, so the same mesh and shardings exist without the hardware.
+        ``family`` (the model family `build_model` uses) defaults to the one job.model.family names."""
         super().__init__(spec)
+        self.family: ModelFamily = family if family is not None else family_for(spec)
         assert spec.topology, "ExecutionSpec.topology is required"
         self.topology = parse_topology(spec.topology)
         self.devices = list(jax.devices() if devices is None else devices)
@@ -93,8 +90,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if spec.data.document_mask:
             self.strategy = DocumentMasked(self.strategy)
         self.check_vocab()
-        self.lr_schedule = self._schedule()
-        self.tx = self._optimizer()
+        self.program = Program(self)  # optimizer, schedule, state shapes and shardings, the jitted steps
         self.state: Optional[TrainState] = None
         self.step = 0
         self.restored_step: Optional[int] = None
@@ -105,6 +101,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.logger: Optional[MetricsLogger] = None
         self.callbacks = CallbackList([*CallbackList.from_spec(spec).callbacks, *faults.callbacks()])
         self.goodput = Goodput()  # where this run's wall time goes (runner.observability.goodput)
+        self.checkpoints = Checkpointing(spec, self.run_dir, self, warn=self.warn)
         self._loader: Any = None
 
     # ================================================================== job-specific parts
@@ -223,16 +220,12 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         <run.dir>/snapshots/, or that step of checkpoints/); without one, a fresh (or warm-started)
         state. Returns whether a checkpoint was restored."""
         self.callbacks("on_init_start", self)
-        abstract, self.state_sharding = self.abstract_state()
+        abstract, self.program.state_sharding = self.program.abstract_state()
         self.model_shapes = st.model_shapes(abstract.params)
         with self.goodput.timing("restore"):
-            if suffix is not None:
-                restored: Optional[ckpt.Restored] = self._restore_named(Path(suffix), abstract)
-            else:
-                restored = self.checkpointer.restore_latest(st.state_tree(abstract), self.spec.checkpoint.on_damaged,
-                                                            warn=self.warn, check=self.check_compatible)
+            restored = self.checkpoints.restore(abstract, suffix, check=self.check_compatible)
         if restored is None:
-            self.state = self.init_state()
+            self.state = self.program.init_state()
             if self.spec.run.init_from:
                 with self.goodput.timing("restore"):
                     self.warm_start(abstract)
@@ -251,106 +244,12 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def save(self, suffix: Path | None = None) -> None:
         """The final save of a launch (this step, unless saved already), awaited; with `suffix`,
         also a snapshot of that name under <run.dir>/snapshots/, outside the keep policies."""
-        if self.state is None:
-            return
-        self._save(last=True)
-        self.checkpointer.wait()
-        if suffix is not None:
-            target = self.run_dir / SNAPSHOTS / suffix
-            if jax.process_index() == 0:
-                storage.makedirs(target.parent)
-            ckpt.save_named(target, st.state_tree(self.state), self.checkpoint_meta())
+        if self.state is not None:
+            self.checkpoints.save_final(suffix)
 
     # run() is RestoreableJob.run: load -> done? -> train -> save -> conclude.
 
-    # ================================================================== building blocks
-
-    def _schedule(self) -> optax.Schedule:
-        s, o, t = self.spec.schedule, self.spec.optimizer, self.spec.train
-        chosen = self.schedule()
-        if chosen is None:
-            return optax.constant_schedule(o.lr)
-        if callable(chosen):
-            return chosen
-        return build_schedule(chosen or s.name, o.lr, t.steps, min(s.warmup_steps, t.steps),
-                              o.lr * s.final_lr_fraction, schedule_extra(self.spec))
-
-    def _optimizer(self) -> optax.GradientTransformation:
-        chosen = self.optimizer() or self.spec.optimizer.name
-        params = nn.meta.unbox(self.abstract_variables)["params"]
-        settings = dataclasses.replace(optimizer_settings(self.spec),
-                                       param_axes=param_axis_names(params, self.param_specs))
-        return build_optimizer(chosen, self.lr_schedule, settings, self.spec.optimizer.clip_norm,
-                               self.spec.optimizer.state_dtype)
-
-    def _context(self) -> contextlib.ExitStack:
-        """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
-        return stack
-
-    def _create_state(self, key: jax.Array) -> TrainState:
-        return st.create_state(self.model, self.tx, key, self.init_args())
-
-    @functools.cached_property
-    def abstract_variables(self) -> Any:
-        """The model's variables as shapes, still boxed with their logical axis names."""
-        return st.abstract_variables(self.model, jax.random.PRNGKey(self.spec.seed), self.init_args())
-
-    @property
-    def param_specs(self) -> Any:
-        """The parameters' logical partition specs (axis names per dimension)."""
-        return nn.get_partition_spec(self.abstract_variables)["params"]
-
-    def abstract_state(self) -> tuple[Any, Any]:
-        """(abstract state, its shardings), computed without touching a device."""
-        params = nn.meta.unbox(self.abstract_variables)["params"]  # the model is traced once, here
-        return st.abstract_state(functools.partial(st.state_around, self.model, self.tx),
-                                 (jax.random.PRNGKey(self.spec.seed), params), self.param_specs, self.mesh,
-                                 self.logical_axis_rules)
-
-    @functools.cached_property
-    def state_sharding(self) -> Any:
-        return self.abstract_state()[1]
-
-    def init_state(self) -> TrainState:
-        """A fresh state, every array created directly on its devices."""
-        with self._context():
-            return st.init_sharded(self._create_state, self.state_sharding, jax.random.PRNGKey(self.spec.seed))
-
-    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The global (S, B, T) batch the train step takes, as shapes with shardings (the row shapes
-        and dtypes of the job's own data pipeline)."""
-        t = self.spec.train
-        example = self.strategy.train(t.seq_len, self.spec.seed, global_batch=t.batch_size)[0]
-        return steps.abstract_batch(self.spec, self.mesh, example)
-
-    @functools.cached_property
-    def compiled_train_step(self) -> Any:
-        """The jitted (not yet compiled) train step; mode=compile lowers this same function."""
-        return steps.make_train_step(type(self).train_step, self.spec, self.lr_schedule, self.state_sharding,
-                                     self.mesh)
-
-    @functools.cached_property
-    def compiled_val_step(self) -> Any:
-        return steps.make_val_step(type(self).val_step, self.state_sharding, self.mesh)
-
-    def train_executable(self) -> Any:
-        """The train step compiled ahead of time, once: the loop runs it, and its memory
-        analysis feeds the run card."""
-        if "_train_executable" not in self.__dict__:
-            with self._context():
-                self._train_executable = self.compiled_train_step.lower(
-                    self.state if self.state is not None else self.abstract_state()[0], self.abstract_batch()).compile()
-        return self._train_executable
-
-    def to_device(self, local: Mapping[str, np.ndarray]) -> Batch:
-        """Assemble global (S, B, T) arrays from this process's rows."""
-        sharding = microbatch_sharding(self.mesh)
-        if jax.process_count() == 1:  # one batched transfer: about a third cheaper per step
-            return jax.device_put(dict(local), sharding)
-        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+    # ================================================================== wiring
 
     @functools.cached_property
     def throughput(self) -> Throughput:
@@ -358,36 +257,26 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return Throughput.for_run(self.flops_per_token(), self.topology, self.devices)
 
     def eval_context(self) -> EvalContext:
-        return EvalContext(spec=self.spec, mesh=self.mesh, strategy=self.strategy, val_step=self.compiled_val_step,
-                           to_device=self.to_device, model=self.model, model_config=self.model_config)
+        return EvalContext(spec=self.spec, mesh=self.mesh, strategy=self.strategy, val_step=self.program.val_step,
+                           to_device=self.program.to_device, model=self.model, model_config=self.model_config)
 
     # ================================================================== checkpoints
 
-    @functools.cached_property
+    @property
     def checkpointer(self) -> ckpt.Checkpointer:
-        """Opened on first use, so mode=compile never touches (or cleans up in) the run directory."""
-        policy = ckpt.SavePolicy(self.spec.checkpoint, warn=self.warn,
-                                 agree=any_process if jax.process_count() > 1 else None,
-                                 agree_every=self.spec.distributed.stop_check_every)
-        return ckpt.Checkpointer(self.run_dir / "checkpoints", self.spec.checkpoint, policy)
+        """The run's checkpoint store (runner.train.checkpointing opens it on first use)."""
+        return self.checkpoints.checkpointer
 
-    def _save(self, last: bool = False) -> bool:
-        """Save this step if the checkpointer's policy wants it (always, with `last`)."""
-        if self.checkpointer.saved_step == self.step or not (last or self.checkpointer.policy.due(self.step)):
-            return False
-        self.callbacks("on_save_start", self, step=self.step)
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[None]:
+        """Around every save: the callbacks, the metrics it covers logged before it can commit,
+        and its time counted as checkpointing (runner.train.checkpointing calls this)."""
+        self.callbacks("on_save_start", self, step=step)
         if self.logger is not None:
-            self.logger.sync()  # what this checkpoint covers is logged before it can commit
+            self.logger.sync()
         with self.goodput.timing("checkpoint"):
-            self.checkpointer.save(self.step, st.state_tree(self.state), self.checkpoint_meta, last=last)
-        self.callbacks("on_save_end", self, step=self.step)
-        return True
-
-    def _restore_named(self, suffix: Path, abstract: TrainState) -> ckpt.Restored:
-        where = (self.checkpointer.directory / suffix.name) if suffix.name.isdigit() else self.run_dir / SNAPSHOTS / suffix
-        restored = ckpt.restore_named(where, st.state_tree(abstract))
-        self.check_compatible(restored.meta)
-        return restored
+            yield
+        self.callbacks("on_save_end", self, step=step)
 
     def warm_start(self, abstract: TrainState) -> None:
         """run.init_from: another run's parameters (fresh optimizer, step 0), or its whole state;
@@ -466,13 +355,13 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.callbacks("on_step_end", self, step=step, metrics=dict(metrics))
 
     def prepare_evaluators(self) -> None:
-        with self._context():
+        with self.program.context():
             prepare_all(self.evaluators, self.eval_context())
 
     def evaluate(self, only: Optional[Sequence[Evaluator[M]]] = None) -> dict[str, float]:
         """Run the evaluators (or `only` these) on the current state: metrics as `eval/<name>`;
         their texts, if any, go to `last_texts`."""
-        with self._context():
+        with self.program.context():
             results, self.last_texts = run_all(self.evaluators if only is None else only, self.eval_context(),
                                                self.state)
         self.last_eval = {**self.last_eval, **results}
@@ -487,18 +376,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             results = self.evaluate(only)
         self.callbacks("on_eval_end", self, step=self.step, results=results)
         self.logger.log_eval(self.step, results, self.last_texts)
-        self.checkpointer.policy.note_evaluation(self.step, results, complete=only is None)
-
-    def _open_logger(self) -> MetricsLogger:
-        spec = self.spec
-        logger = MetricsLogger(
-            self.run_dir, progress=spec.logging.progress, total_steps=spec.train.steps,
-            log_every=spec.train.log_every, wandb_mode=spec.logging.wandb, wandb_project=spec.logging.project,
-            wandb_entity=spec.logging.entity, wandb_run_id=self.wandb_run_id, run_name=storage.name(spec.run.dir),
-            config=spec.to_dict(), wandb_group=spec.run.sweep, tensorboard=spec.logging.tensorboard,
-            resumed_step=self.restored_step)
-        self.wandb_run_id = logger.wandb_run_id
-        return logger
+        self.checkpoints.note_evaluation(self.step, results, complete=only is None)
 
     def components(self, logger: MetricsLogger, stops: StopConditions, loader: Any) -> list[Any]:
         """The loop's components, in the order they act at a step (see runner.train.hooks)."""
@@ -511,13 +389,14 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             GuardStop(GuardMonitor(spec.guard)),
             StopRequests(stops),
             Evaluation(self.evaluators, self.eval_every, self._log_eval),
-            *faults.components(self.checkpointer.wait),
-            Checkpoints(self.checkpointer, self._save),
+            *faults.components(self.checkpoints.wait),
+            self.checkpoints,
         ]
 
     def train(self) -> Ending:
         """Train from the restored step to train.steps (or an early stop), then evaluate."""
-        self.logger = logger = self._open_logger()
+        self.logger = logger = MetricsLogger.for_run(self.spec, self.run_dir, self.wandb_run_id, self.restored_step)
+        self.wandb_run_id = logger.wandb_run_id
         self._stops = stops = StopConditions(self.spec, self.run_dir, self.step)
         previous = {s: signal.signal(s, stops.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         loader = self._loader = self.batch("train")
@@ -529,12 +408,12 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             with self.goodput.timing("eval"):
                 self.prepare_evaluators()
             with self.goodput.timing("compile"):
-                step_fn = self.train_executable()
+                step_fn = self.program.train_executable(self.state)
             self.write_run_card()
             loop = Loop(self, step_fn, self._device_batches(loader), self.components(logger, stops, loader),
                         self.spec.train.steps)
             self.goodput.start_loop()
-            with self._context(), frozen_heap():
+            with self.program.context(), frozen_heap():
                 ending = loop.run()
             self.goodput.end_loop()
             if ending.finished:
@@ -550,8 +429,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def _device_batches(self, loader: Iterator[Mapping[str, np.ndarray]]) -> Iterator[Batch]:
         """Batches on the devices; with debug.overfit_batch, the first one again and again."""
         if self.spec.debug.overfit_batch:
-            return itertools.repeat(self.to_device(next(loader)))
-        return (self.to_device(local) for local in loader)
+            return itertools.repeat(self.program.to_device(next(loader)))
+        return (self.program.to_device(local) for local in loader)
 
     def conclude(self, ending: Ending) -> None:
         """After the final save: report, or raise what the exit code says."""
@@ -580,8 +459,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if self.logger is not None:
             self.logger.close()
             self.logger = None
-        if "checkpointer" in self.__dict__:
-            self.checkpointer.close()
+        self.checkpoints.close()
 
     def finished_already(self) -> None:
         if jax.process_index() == 0:
@@ -594,7 +472,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         assert self.logger is not None
         if not final:
             self._facts = runcard.run_facts(self.state.params, self.flops_per_token(), self.mesh,
-                                            self.train_executable(), self.state)
+                                            self.program.train_executable(self.state), self.state)
             self._facts["throughput"] = self.throughput.describe()
             if getattr(self, "attention", ""):
                 self._facts["attention"] = self.attention

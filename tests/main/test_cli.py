@@ -1,0 +1,85 @@
+"""The `runner` console script: the same command as `python -m runner`, bash completion through
+Hydra's own completion function, the help page and Hydra's info flags."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, read_metrics, runner_env
+
+pytestmark = pytest.mark.e2e  # every test here starts a process
+
+SCRIPT = Path(sys.executable).parent / "runner"  # installed by `pip install -e .` (tools/venv.sh)
+
+
+def command(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), *args], cwd=tmp_path, env=runner_env(tmp_path, **env), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_script_takes_what_python_m_runner_takes(tmp_path) -> None:
+    assert SCRIPT.is_file(), "the console script is missing: run `bash tools/venv.sh` (pip install -e .)"
+    args = ["--cfg", "job", "optimizer=lion", "optimizer.lr=0.25", "job=llama_tiny"]
+    module = subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
+                            capture_output=True, text=True, timeout=120)
+    script = command(args, tmp_path)
+    assert script.returncode == module.returncode == 0, script.stderr
+    assert script.stdout == module.stdout and "lr: 0.25" in script.stdout
+    trained = command([*TINY, "train.steps=2", "eval.every=0", "run.dir=run"], tmp_path)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+    typo = command(["optimizer.lrr=1"], tmp_path)
+    assert typo.returncode == 2 and typo.stderr.startswith("error: ") and "optimizer.lrr" in typo.stderr
+
+
+def test_bash_completion_of_keys_and_group_options(tmp_path) -> None:
+    """Hydra's completion script, installed as `runner -sc install=bash` prints it, driven the way
+    bash drives it on <TAB>: COMP_LINE / COMP_POINT / COMP_WORDS / COMP_CWORD, then COMPREPLY."""
+    bash = shutil.which("bash")
+    assert bash is not None
+    script = """
+eval "$(runner -sc install=bash)"
+complete -p runner
+tab() {
+    COMP_LINE="$1"; COMP_POINT=${#COMP_LINE}; COMP_WORDS=($COMP_LINE); COMP_CWORD=$((${#COMP_WORDS[@]} - 1))
+    hydra_bash_completion
+    echo "$1 => ${COMPREPLY[*]}"
+}
+tab "runner optim"
+tab "runner optimizer="
+tab "runner job=llama"
+tab "runner train.st"
+tab "runner job=gpt_tiny optimizer.l"
+"""
+    env = runner_env(tmp_path, PATH=f"{SCRIPT.parent}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run([bash, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "complete -o default -o nospace -F hydra_bash_completion runner"
+    replies = dict(line.split(" => ") for line in lines[1:])
+    assert replies["runner optim"].split() == ["optimizer.", "optimizer="]
+    assert replies["runner optimizer="].split() == [f"optimizer={o}" for o in ("adafactor", "adamw", "lion", "muon",
+                                                                                 "sgd")]
+    assert replies["runner job=llama"].split() == ["job=llama3_1b", "job=llama3_8b", "job=llama_150m", "job=llama_tiny"]
+    assert replies["runner train.st"].split() == ["train.steps=", "train.stop_file="]
+    assert "optimizer.lr=" in replies["runner job=gpt_tiny optimizer.l"].split()
+
+
+def test_help_names_runner_and_info_prints_once(tmp_path) -> None:
+    help_page = command(["--help"], tmp_path)
+    assert help_page.returncode == 0
+    assert help_page.stdout.startswith("runner: a job-spec driven")
+    assert "optimizer: adafactor, adamw, lion, muon, sgd" in help_page.stdout and "== Most used keys ==" in help_page.stdout
+    assert "cli" not in help_page.stdout.split()
+    info = command(["--info"], tmp_path)
+    assert info.returncode == 0
+    out = info.stdout + info.stderr
+    assert out.count("Installed Hydra Plugins") == 1 and out.count("Hydra 1.3") == 1
+    hydra_cfg = command(["--cfg", "hydra"], tmp_path)
+    assert "  name: runner\n" in hydra_cfg.stdout  # the job name SLURM/submitit and the logs use

@@ -1,0 +1,154 @@
+"""mode=compile: the real train step compiled for a pod slice on this CPU machine.
+
+The TPU cases need the libtpu wheel (`pip install -e '.[tpu]'`, which CI installs); they run
+the TPU compiler for real, on compile-only devices, and never need a TPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.parallel.topology import CHIPS, aot_topology_args, parse_topology
+from tests.conftest import TINY, run_runner, runner_env
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed; `pip install -e '.[tpu]'` installs it (CI does)",
+)
+
+# The tiny model on synthetic data: compiles in seconds and needs no corpus.
+SMALL = [*TINY, "train.batch_size=32", "eval.batch_size=16", "data.strategy=synthetic"]
+# One layer, but GPT-2's vocabulary at 16384 x 1024 tokens: the logits alone are ~200 GiB per
+# v4 device, far past any HBM (and past this machine's RAM for cpu-4).
+OVERSIZED = [*TINY, "job.model.n_layers=1", "job.model.vocab_size=50304", "job.model.context_length=1024",
+             "train.seq_len=1024", "train.batch_size=16384", "eval.batch_size=16", "data.strategy=synthetic"]
+
+
+def _summary(stdout: str) -> dict:
+    """The JSON line mode=compile ends with."""
+    last = stdout.strip().splitlines()[-1]
+    data = json.loads(last)
+    assert data["report"] == "compile"
+    return data
+
+
+@pytest.mark.e2e
+@needs_libtpu
+def test_v4_32_small_model_fits_and_reports_per_device_memory(tmp_path: Path) -> None:
+    proc = run_runner(["topology=v4-32", "mode=compile", *SMALL], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for row in ("arguments (state + batch)", "outputs (state + metrics)", "temporaries", "generated code",
+                "total", "v4 HBM", "FLOPs per step", "fits: yes"):
+        assert row in proc.stdout, row
+    report = _summary(proc.stdout)
+    assert (report["devices"], report["device_kind"], report["mesh"]) == (
+        16, "TPU v4", {"data": 16, "fsdp": 1, "tensor": 1})
+    assert report["fits"] is True and report["limit_bytes"] == CHIPS["v4"].hbm_bytes
+    memory = report["memory"]
+    # The state is replicated over data=16: every device holds params plus AdamW's two moments.
+    assert memory["argument"] >= 3 * 4 * report["parameters"]
+    assert memory["alias"] > 0  # the state is donated and updated in place
+    assert memory["total"] == (memory["argument"] + memory["output"] - memory["alias"]
+                               + memory["temp"] + memory["generated_code"])
+    assert 0.5 < report["flops_per_device"] * 16 / report["analytic_flops"] < 2.0
+    assert not (tmp_path / "runs").exists(), "mode=compile must not create or clean the run directory"
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("topology", [pytest.param("v4-32", marks=needs_libtpu), "cpu-4"])
+def test_an_oversized_batch_does_not_fit_and_exits_3(tmp_path: Path, topology: str) -> None:
+    proc = run_runner([f"topology={topology}", "mode=compile", *OVERSIZED], tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "does not fit" in proc.stdout and "train.batch_size" in proc.stdout
+    report = _summary(proc.stdout)
+    assert report["fits"] is False
+    if topology == "v4-32":  # the TPU compiler itself refuses: more than 30 GiB of HBM needed
+        assert "RESOURCE_EXHAUSTED" in report["compiler_error"]
+        assert report["required_bytes"] > CHIPS["v4"].hbm_bytes
+    else:  # XLA:CPU compiles it; the report compares with this host's memory per device
+        assert report["memory"]["total"] > report["limit_bytes"]
+
+
+@pytest.mark.e2e
+@needs_libtpu
+def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) -> None:
+    """attention=auto on a TPU is the splash kernel, lowered by Mosaic for the TPU (not interpreted)."""
+    proc = run_runner(["topology=v4-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
+                       "train.batch_size=8", "logging.wandb=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _summary(proc.stdout)
+    assert report["attention"] == "splash" and "attention splash" in proc.stdout
+    assert report["fits"] is True
+
+
+@pytest.mark.e2e
+def test_cpu_4_compiles_for_four_local_devices(tmp_path: Path) -> None:
+    # One device in XLA_FLAGS: mode=compile gives cpu-4 its four devices itself.
+    proc = run_runner(["topology=cpu-4", "mode=compile", *SMALL], tmp_path, devices=1)
+    assert proc.returncode == 0, proc.stderr
+    report = _summary(proc.stdout)
+    assert (report["devices"], report["mesh"]["data"], report["fits"], report["attention"]) == (4, 4, True, "xla")
+    assert report["memory"]["total"] > 0 and "host RAM / 4 devices" in proc.stdout
+
+
+@pytest.mark.e2e
+def test_a_tpu_topology_without_libtpu_says_how_to_install_it(tmp_path: Path) -> None:
+    # A libtpu package that fails to import stands in for one that is not installed.
+    fake = tmp_path / "no_libtpu" / "libtpu"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('libtpu is not installed (simulated)')\n")
+    env = runner_env(tmp_path, PYTHONPATH=str(fake.parent))
+    env.pop("TPU_LIBRARY_PATH", None)  # set by an imported libtpu; it would point at the real one
+    proc = subprocess.run([sys.executable, "-m", "runner", "topology=v5p-8", "mode=compile", *SMALL],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "libtpu is not installed" in proc.stderr and "topology=v5p-8" in proc.stderr
+    assert "bash tools/venv.sh tpu" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", ["v4-8", "v4-32", "2xv4-32", "v5p-8", "v5p-128", "2xv5p-128",
+                                  "v5litepod-8", "v5litepod-16", "v6e-8", "v6e-16", "v3-32",
+                                  "tpu7x-8", "tpu7x-16", "2xtpu7x-16", "tpu7x-128"])
+def test_aot_args_describe_the_named_slice_in_libtpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jax.experimental import topologies
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as mode=compile does: another process may hold libtpu
+
+    t = parse_topology(name)
+    devices = topologies.get_topology_desc(**aot_topology_args(t)).devices
+    assert len(devices) == t.num_devices
+    assert len({d.process_index for d in devices}) == t.num_hosts
+    kind = {"v3": "TPU v3", "v4": "TPU v4", "v5p": "TPU v5", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite",
+            "tpu7x": "TPU7x"}
+    assert {d.device_kind for d in devices} == {kind[t.chip.name]}
+    if t.num_slices > 1:
+        assert sorted({d.slice_index for d in devices}) == list(range(t.num_slices))
+
+
+def test_the_compile_report_in_process_sizes_the_step_training_runs(tmp_path: Path) -> None:
+    """runner.parallel.compile on the local CPU device, in this process: the job class builds the
+    program training would run, the compiler sizes it, and the analytic FLOPs are the family's."""
+    from hydra import compose, initialize_config_dir
+
+    from runner.main.cli import CONF_DIR, CONFIG_NAME, prepare
+    from runner.main.config import build_spec
+    from runner.parallel.compile import compile_report
+    from runner.train.job import JOBS
+
+    prepare()
+    overrides = [*TINY, f"run.dir={tmp_path / 'run'}", "mode=compile", "topology=cpu-1"]
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        spec = build_spec(compose(CONFIG_NAME, overrides=overrides), overrides)
+    report = compile_report(spec, JOBS.get(spec.job.trainer))
+    assert report.fits and report.devices == 1 and report.memory is not None and report.memory.total > 0
+    assert report.parameters > 0 and report.analytic_flops and report.flops_per_device
+    assert not (tmp_path / "run").exists()  # mode=compile touches no run directory

@@ -1,0 +1,50 @@
+"""The persistent compilation cache (run.compile_cache): a relaunch loads what the first launch
+compiled, a changed model compiles its own programs, and a damaged entry costs a recompile, not
+the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.parallel.compile_cache import directory
+from tests.conftest import TINY, read_metrics, run_runner
+
+ARGS = [*TINY, "train.steps=3", "eval.every=0"]
+
+
+def entries(cache: Path) -> set[str]:
+    return {p.name for p in cache.glob("*-cache")}
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+@pytest.mark.e2e
+def test_a_relaunch_hits_the_cache_and_a_changed_model_misses_it(tmp_path: Path) -> None:
+    cache = tmp_path / "xla"
+    first = run_runner([*ARGS, "run.dir=first", f"run.compile_cache={cache}"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    filled = entries(cache)
+    assert filled, "the first launch must fill the cache"
+    again = run_runner([*ARGS, "run.dir=again", f"run.compile_cache={cache}"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert entries(cache) == filled  # every program came from the cache: nothing new compiled
+    assert losses(tmp_path / "again") == losses(tmp_path / "first")  # and computes the same numbers
+    for entry in cache.glob("*-cache"):  # a kill in the middle of a write leaves a truncated entry
+        entry.write_bytes(entry.read_bytes()[:10])
+    wider = run_runner([*ARGS, "run.dir=wider", f"run.compile_cache={cache}", "job.model.d_model=64"], tmp_path)
+    assert wider.returncode == 0, wider.stderr[-3000:]
+    assert entries(cache) - filled  # a changed model is a different program: compiled, not reused
+
+
+def test_the_cache_directory_setting(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert directory("default") == str(tmp_path / "xla")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")
+    assert directory("default") == "/elsewhere"
+    assert directory("none") is None and directory("off") is None
+    assert directory("~/c") == str(Path.home() / "c")

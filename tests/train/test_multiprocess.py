@@ -1,0 +1,155 @@
+"""Several JAX processes on localhost cooperate as one job (gloo collectives, fake CPU devices)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY, read_metrics, run_runner, runner_env, wait_for_lines
+from tests.train.test_restore import params_of
+
+STEPS = 12
+BASE = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=4", "eval.every=0", "optimizer.lr=1e-2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], tmp_path: Path, processes: int = 2, devices: int = 2, via_config: bool = False,
+           **env: str) -> list[subprocess.Popen]:
+    """N processes joined through the standard JAX variables, or through the distributed.* keys."""
+    port = free_port()
+    procs = []
+    for i in range(processes):
+        if via_config:
+            e = runner_env(tmp_path, devices, **env)
+            extra = [f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={processes}",
+                     f"distributed.process_id={i}"]
+        else:
+            e = runner_env(tmp_path, devices, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **env)
+            extra = []
+        procs.append(subprocess.Popen([sys.executable, "-m", "runner", *args, *extra], cwd=tmp_path, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def assert_close_runs(a: Path, b: Path) -> None:
+    la = {r["step"]: r["loss"] for r in read_metrics(a) if "loss" in r}
+    lb = {r["step"]: r["loss"] for r in read_metrics(b) if "loss" in r}
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([la[s] for s in sorted(la)], [lb[s] for s in sorted(lb)], rtol=1e-5)
+    for x, y in zip(params_of(a, STEPS), params_of(b, STEPS)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)  # only the summation order differs
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("one")
+    result = run_runner([*BASE, "run.dir=run"], tmp, devices=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.e2e
+def test_two_processes_train_like_one_with_four_devices(tmp_path, one_process) -> None:
+    results = finish(launch([*BASE, "run.dir=run", "logging.wandb=offline"], tmp_path))
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "Finished gpt_tiny" in results[0][1]
+    assert "step " not in results[1][1] and "Finished" not in results[1][1]  # one writer
+    run_dir = tmp_path / "run"
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))  # each step logged once
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # only process 0 creates a run
+    assert_close_runs(run_dir, one_process)
+
+
+@pytest.mark.e2e
+def test_two_process_checkpoint_resumes_in_one_process_and_back(tmp_path, one_process) -> None:
+    killed = finish(launch([*BASE, "run.dir=a"], tmp_path, RUNNER_FAULT="kill_at_step:6"))
+    # each process kills itself at step 6; one that is left waiting at a collective for its dead
+    # partner is aborted by the heartbeat check instead
+    codes = [code for code, _, _ in killed]
+    assert -signal.SIGKILL in codes and all(code != 0 for code in codes), codes
+    resumed = run_runner([*BASE, "run.dir=a"], tmp_path, devices=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 4 " in resumed.stdout
+    assert_close_runs(tmp_path / "a", one_process)
+
+    first = run_runner([*BASE, "run.dir=b"], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:6")
+    assert first.returncode == -signal.SIGKILL
+    results = finish(launch([*BASE, "run.dir=b"], tmp_path, via_config=True))
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "resumed from step 4 " in results[0][1]
+    assert_close_runs(tmp_path / "b", one_process)
+
+
+@pytest.mark.e2e
+def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path) -> None:
+    args = [*BASE, "run.dir=run", "train.steps=100000", "checkpoint.every_steps=0", "distributed.stop_check_every=5"]
+    procs = launch(args, tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for_lines(metrics, 3)
+    procs[1].send_signal(signal.SIGTERM)  # only one host is told
+    results = finish(procs)
+    assert [code for code, _, _ in results] == [75, 75], results[0][2][-2000:] + results[1][2][-2000:]
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and saved[0] % 5 == 0  # agreed at a check boundary
+    assert f"stopped by a stop request from another process at step {saved[0]}" in results[0][1]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) -> None:
+    args = [*BASE, "run.dir=run", "train.steps=100000", "checkpoint.every_steps=0",
+            "distributed.heartbeat_timeout_s=10", "logging.progress=none"]  # nothing fills the unread pipes
+    procs = launch(args, tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for_lines(metrics, 3)
+    procs[victim].kill()
+    start = time.time()
+    survivor = procs[1 - victim]
+    survivor.communicate(timeout=120)  # documented bound: heartbeat timeout + a few seconds
+    assert survivor.returncode != 0
+    assert time.time() - start < 60
+
+
+def test_when_jax_distributed_is_started(monkeypatch) -> None:
+    from runner.parallel.distributed import settings, spans_several_processes
+    from runner.spec import DistributedSpec
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS", "SLURM_JOB_ID",
+                "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    assert not spans_several_processes(DistributedSpec())  # a laptop: never
+    assert spans_several_processes(DistributedSpec(), topology_hosts=4)  # v4-32: JAX's TPU detection
+    keys = DistributedSpec(coordinator_address="h:1", num_processes=2, process_id=1)
+    assert settings(keys) == ("h:1", 2, 1, False)  # documented keys win
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "e:2")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "3")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    assert settings(DistributedSpec()) == ("e:2", 3, 0, False)  # then the standard variables
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert settings(DistributedSpec())[3]  # a SLURM allocation of several tasks: auto-detect

@@ -1,0 +1,266 @@
+"""Kill it anywhere, rerun the same command, get the same run: real processes, real signals."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.conftest import TINY, read_metrics, run_runner, runner_env, start_runner_until
+
+pytestmark = pytest.mark.e2e  # every test here starts a process
+
+STEPS = 24
+BASE = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=8", "checkpoint.keep=5", "eval.every=0",
+        "optimizer.lr=1e-2"]
+
+
+def params_of(run_dir: Path, step: int) -> list[np.ndarray]:
+    """Plain orbax, as the README shows: works whatever topology saved the checkpoint."""
+    import jax
+
+    path = (run_dir / "checkpoints" / str(step) / "state").absolute()
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        state = checkpointer.restore(path, args=ocp.args.StandardRestore(
+            fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+    return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def goodput_of(run_dir: Path) -> dict:
+    """The run's last goodput record (logged with the final step)."""
+    return [r for r in read_metrics(run_dir) if "goodput/percent" in r][-1]
+
+
+def ckpt_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("reference")
+    result = run_runner([*BASE, "run.dir=ref"], tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "ref"
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    for a, b in zip(params_of(run_dir, STEPS), params_of(reference, STEPS)):
+        np.testing.assert_array_equal(a, b)  # bitwise
+    assert losses(run_dir) == losses(reference)  # every step, exactly
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("fault, resumed_from", [
+    ("kill_at_step:5", None),  # before the first checkpoint
+    ("kill_at_step:13", 8),  # between checkpoints
+    ("kill_after_save:16", (8, 16)),  # in the middle of an asynchronous save
+])
+def test_sigkill_anywhere_then_rerun_gives_the_same_run(tmp_path, reference, fault, resumed_from) -> None:
+    args = [*BASE, "run.dir=run", "logging.tensorboard=true"]
+    killed = run_runner(args, tmp_path, RUNNER_FAULT=fault)
+    assert killed.returncode == -signal.SIGKILL
+    again = run_runner(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    if resumed_from is None:
+        assert "resumed from" not in again.stdout
+    else:
+        steps = resumed_from if isinstance(resumed_from, tuple) else (resumed_from,)
+        assert any(f"resumed from step {s} " in again.stdout for s in steps), again.stdout
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # leftovers cleaned
+    assert_same_run(run_dir, reference)
+    # Goodput: two launches; the steps the killed one logged after its checkpoint are recomputed
+    # (the kill at step 13 lands before that step's metrics are read: 9..12 are lost).
+    final = goodput_of(run_dir)
+    assert final["goodput/launches"] == 2 and "over 2 launches" in again.stdout
+    if fault.startswith("kill_at_step"):
+        assert final["goodput/recomputed_steps"] == 4 and "4 steps recomputed after a crash" in again.stdout
+    assert final["goodput/recomputed_s"] > 0 and 0 < final["goodput/percent"] < 100
+    parts = sum(final[f"goodput/{c}_s"] for c in ("startup", "restore", "compile", "train", "data_wait", "eval",
+                                                   "checkpoint", "other"))
+    assert abs(parts - final["goodput/wall_s"]) < 0.05 * final["goodput/wall_s"]  # the categories cover the wall time
+    ref = goodput_of(reference)
+    assert ref["goodput/launches"] == 1 and ref["goodput/recomputed_steps"] == 0
+    assert_tensorboard_matches_metrics(run_dir)
+
+
+def assert_tensorboard_matches_metrics(run_dir: Path) -> None:
+    """TensorBoard's own reader sees every scalar of metrics.jsonl, each step once although two
+    launches wrote event files (the resumed one purges what the killed one logged past its
+    checkpoint)."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"),
+                                                size_guidance={event_accumulator.SCALARS: 0})
+    events.Reload()
+    records = read_metrics(run_dir)
+    scalars = {k for r in records for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert scalars <= set(events.Tags()["scalars"])
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, STEPS + 1))
+    assert [e.value for e in loss] == pytest.approx(list(losses(run_dir).values()), rel=1e-6)
+
+
+def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, reference) -> None:
+    # Paced, so the 24 steps can't all finish between the poll that sees step 6 and the signal.
+    args = [*BASE, "run.dir=run", "checkpoint.every_steps=0", "callbacks=[tests.callback_fixture:Pacer]"]
+    proc = start_runner_until(args, tmp_path, tmp_path / "run", 6)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    stopped_at = ckpt_steps(tmp_path / "run")
+    assert len(stopped_at) == 1 and 0 < stopped_at[0] < STEPS
+    assert f"stopped by signal SIGTERM at step {stopped_at[0]}" in out
+    again = run_runner(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from step {stopped_at[0]} " in again.stdout
+    assert_same_run(tmp_path / "run", reference)
+
+
+def test_damaged_newest_checkpoint_falls_back_and_is_set_aside(tmp_path, reference) -> None:
+    shutil.copytree(reference, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    victim = max((p for p in (run_dir / "checkpoints" / str(STEPS) / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])  # truncated
+    stop = run_runner([*BASE, "run.dir=run", "checkpoint.on_damaged=stop"], tmp_path)
+    # (tensorstore may print its own "Event loop is closed" noise; no traceback runs through runner)
+    assert stop.returncode == 2 and "damaged" in stop.stderr and "/runner/" not in stop.stderr
+    assert ckpt_steps(run_dir) == [8, 16, 24]  # nothing touched
+    result = run_runner([*BASE, "run.dir=run"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoints/24 is damaged" in result.stdout and "resumed from step 16 " in result.stdout
+    assert ckpt_steps(run_dir) == [8, 16, 24]  # 24 was recomputed and saved again
+    assert len(list((run_dir / "damaged_checkpoints").iterdir())) == 1
+    assert_same_run(run_dir, reference)  # the recomputed steps are the reference's, bit for bit
+
+
+def test_resuming_another_model_or_other_data_is_refused(tmp_path, reference) -> None:
+    shutil.copytree(reference, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    model = run_runner([*BASE, "run.dir=run", "train.steps=30", "job.model.d_model=64"], tmp_path)
+    assert model.returncode == 2 and "different model" in model.stderr, model.stderr[-2000:]
+    data = run_runner([*BASE, "run.dir=run", "train.steps=30", "data.strategy=synthetic"], tmp_path)
+    assert data.returncode == 2 and "other data" in data.stderr and "allow_data_change" in data.stderr
+    assert ckpt_steps(run_dir) == [8, 16, 24] and not (run_dir / "damaged_checkpoints").exists()
+    allowed = run_runner([*BASE, "run.dir=run", "train.steps=26", "data.strategy=synthetic",
+                          "checkpoint.allow_data_change=true"], tmp_path)
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "resumed from step 24 " in allowed.stdout and 26 in ckpt_steps(run_dir)
+
+
+def test_warm_start_from_parameters(tmp_path, reference) -> None:
+    result = run_runner([*BASE, "run.dir=warm", "train.steps=2", f"run.init_from={reference}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warm start: params" in result.stdout
+    records = read_metrics(tmp_path / "warm")
+    first_eval = next(r for r in records if "eval/stdlib/loss" in r and r["step"] == 0)
+    fresh = next(r for r in read_metrics(reference) if "eval/stdlib/loss" in r and r["step"] == 0)
+    assert first_eval["eval/stdlib/loss"] < fresh["eval/stdlib/loss"] - 1.0  # trained weights, step 0
+    bad = run_runner([*BASE, "run.dir=warm2", f"run.init_from={tmp_path / 'nowhere'}"], tmp_path)
+    assert bad.returncode == 2 and "no complete checkpoint" in bad.stderr
+
+
+def test_document_masked_runs_resume_exactly(tmp_path, reference) -> None:
+    """data.document_mask adds segment ids and positions to every row; the batch is still a pure
+    function of the step, so a killed run resumes to the same parameters, bit for bit."""
+    args = [*BASE, "data.document_mask=true"]
+    straight = run_runner([*args, "run.dir=straight"], tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run_runner([*args, "run.dir=run"], tmp_path, RUNNER_FAULT="kill_at_step:13")
+    assert killed.returncode == -signal.SIGKILL
+    again = run_runner([*args, "run.dir=run"], tmp_path)
+    assert again.returncode == 0 and "resumed from step 8 " in again.stdout, again.stderr[-3000:]
+    assert_same_run(tmp_path / "run", tmp_path / "straight")
+    assert losses(tmp_path / "straight") != losses(reference)  # the masking did change what it trained on
+
+
+def test_resume_on_another_mesh_reshards(tmp_path, reference) -> None:
+    args = [*BASE, "run.dir=run"]
+    first = run_runner([*args, "topology=cpu-4", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], tmp_path,
+                       devices=4, RUNNER_FAULT="kill_at_step:13")
+    assert first.returncode == -signal.SIGKILL
+    second = run_runner([*args, "topology=cpu-2", "mesh.data=2"], tmp_path, devices=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 8 " in second.stdout
+    ref = losses(reference)
+    got = losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], [ref[s] for s in range(1, STEPS + 1)],
+                               rtol=2e-3)  # same data order; only float summation order differs
+    for a, b in zip(params_of(tmp_path / "run", STEPS), params_of(reference, STEPS)):
+        np.testing.assert_allclose(a, b, atol=2e-3)
+
+
+def test_unwritable_run_dir_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    result = run_runner([*BASE, "run.dir=file/run"], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "file/run" in result.stderr
+
+
+def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_path) -> None:
+    """RLIMIT_FSIZE makes every write past 8 KiB fail with EFBIG (Python ignores SIGXFSZ): the
+    checkpoint files of step 8 cannot be written, as on a full disk."""
+    import resource
+
+    args = [*BASE, "run.dir=run", "checkpoint.every_steps=4"]
+    assert run_runner([*args, "train.steps=4"], tmp_path).returncode == 0
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
+
+    full = subprocess.run([sys.executable, "-m", "runner", *args, "train.steps=8"], cwd=tmp_path,
+                          env=runner_env(tmp_path), capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "failed" in full.stderr and "File too large" in full.stderr and "Earlier checkpoints are untouched" \
+        in full.stderr
+    # tensorstore's background threads print their own noise (in any order); runner's part is one
+    # paragraph on its own line, and no traceback through runner's code.
+    assert any(line.startswith("error: A checkpoint save") for line in full.stderr.splitlines())
+    assert "/runner/" not in full.stderr
+    assert ckpt_steps(tmp_path / "run") == [4]
+    params_of(tmp_path / "run", 4)  # still restorable
+    again = run_runner([*args, "train.steps=8"], tmp_path)  # space is back: the run continues
+    assert again.returncode == 0 and "resumed from step 4 " in again.stdout, again.stderr[-2000:]
+    assert ckpt_steps(tmp_path / "run") == [4, 8]
+
+
+def test_save_policy_keeps_the_newest_k_plus_every_pth(tmp_path) -> None:
+    # (time-based saves are tested with an injected clock in tests/train/test_loop.py)
+    result = run_runner([*BASE, "run.dir=steps", "checkpoint.every_steps=4", "checkpoint.keep=2",
+                         "checkpoint.keep_every=8"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ckpt_steps(tmp_path / "steps") == [8, 16, 20, 24]  # newest 2, plus every 8th for good
+
+
+def test_wandb_history_after_sigkills_equals_metrics_jsonl(tmp_path) -> None:
+    """SIGKILLs at random steps (a seeded draw), then a clean finish: every step metrics.jsonl holds
+    is in wandb's offline history, and nothing else; a resumed launch gives wandb the steps up to
+    its checkpoint that a killed launch's wandb never wrote."""
+    import random
+
+    from runner.observability.wandb_history import history_steps
+
+    args = [*TINY, "train.steps=24", "checkpoint.every_steps=4", "checkpoint.async_save=false", "eval.every=8",
+            "logging.wandb=offline", "run.dir=run"]
+    kills = sorted(random.Random(27).sample(range(5, 23), 3))
+    for step in kills:
+        killed = run_runner(args, tmp_path, RUNNER_FAULT=f"kill_at_step:{step}")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = run_runner(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [run_id] = {d.name.rsplit("-", 1)[-1] for d in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    logged = {r["step"] for r in read_metrics(tmp_path / "run") if any(k != "step" for k in r)}
+    assert history_steps(tmp_path / "run" / "wandb", run_id) == logged
+    assert logged == set(range(0, 25))
