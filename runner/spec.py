@@ -84,6 +84,37 @@ class HFOriginSpec(_Frozen):
     eos_token_id: list[int] = field(default_factory=list)  # empty: the training data's end-of-document id
 
 
+MOE_DISPATCHES = ("ragged", "capacity", "dense")
+MOE_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoESpec(_Frozen):
+    """A mixture-of-experts feed-forward in every layer (the llama family; runner.models.moe):
+    off while n_experts is 0."""
+
+    n_experts: int = 0  # 0: a dense MLP
+    top_k: int = 2  # experts per token
+    d_ff_expert: int = 0  # each expert's hidden width; 0: job.model.d_ff
+    n_shared_experts: int = 0  # experts every token goes through as well (DeepSeek-V3's)
+    score: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    normalize_top_k: bool = True  # the chosen experts' weights sum to one
+    dispatch: str = "ragged"  # ragged (dropless grouped matmuls) | capacity | dense (every expert on every token)
+    capacity_factor: float = 1.25  # capacity dispatch: slots per expert, as a multiple of an even share
+    aux_loss: float = 0.01  # the Switch/Mixtral load-balancing loss's coefficient
+    z_loss: float = 0.001  # the router z-loss's coefficient
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("job.model.moe", self, (
+            ("n_experts", ">= 0"), ("top_k", "> 0"), ("d_ff_expert", ">= 0"), ("n_shared_experts", ">= 0"),
+            ("score", MOE_SCORES), ("dispatch", MOE_DISPATCHES), ("capacity_factor", "> 0"),
+            ("aux_loss", ">= 0"), ("z_loss", ">= 0")))
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ConfigError("job.model.moe.top_k", self.top_k, f"a token cannot choose more experts than the "
+                              f"{self.n_experts} there are (job.model.moe.n_experts).",
+                              f"use top_k <= {self.n_experts}.")
+
+
 @dataclass(frozen=True)
 class ModelSpec(_Frozen):
     family: str = "gpt"  # gpt | llama | import path of your own family (runner.models)
@@ -117,6 +148,7 @@ class ModelSpec(_Frozen):
     activation: str = ""
     norm_eps: float = 1e-5  # RMSNorm's (llama) and LayerNorm's (gpt) epsilon
     rope: RopeSpec = field(default_factory=RopeSpec)
+    moe: MoESpec = field(default_factory=MoESpec)
     hf: HFOriginSpec = field(default_factory=HFOriginSpec)
 
     def check(self, spec: ExecutionSpec) -> None:
@@ -127,6 +159,7 @@ class ModelSpec(_Frozen):
             ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("none", "full", "dots")),
             ("activation", ("", *ACTIVATIONS))))
         self.rope.check(spec)
+        self.moe.check(spec)
         _check_rules("job.model", self, (
             ("norm_eps", lambda v: v > 0, "it must be positive.", "use e.g. 1e-5 or 1e-6."),
             ("dropout", lambda v: 0.0 <= v < 1.0, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")))

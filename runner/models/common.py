@@ -81,6 +81,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 Axes = tuple[str | None, ...]
 
+# What a layer may sow (flax `sow`) for the train step (runner.train.steps.token_loss): LOSSES are
+# added to the loss it differentiates, REPORTS are logged with the step's metrics (a name ending
+# in _max or _min by its largest or smallest value over layers, any other by the mean).
+LOSSES, REPORTS = "losses", "reports"
+
 
 def normal_init(std: float, names: Axes) -> Callable[..., Any]:
     """Normal(0, std) weights with logical axes ``names``."""
@@ -190,7 +195,7 @@ def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array
     if cfg.scan_layers:
         return nn.scan(
             block,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, LOSSES: 0, REPORTS: 0},
             split_rngs={r: True for r in rngs},
             in_axes=(*[nn.broadcast] * len(shared), 0, nn.broadcast),
             length=cfg.n_layers,

@@ -216,6 +216,10 @@ class GPTFamily:
         if model.d_model % model.n_heads:
             raise ConfigError("job.model.n_heads", model.n_heads, f"it does not divide d_model={model.d_model}.",
                               "choose n_heads so that d_model / n_heads is a whole number.")
+        if model.moe.n_experts:
+            raise ConfigError("job.model.moe.n_experts", model.moe.n_experts, "the gpt family has no "
+                              "mixture-of-experts layers, so it would train a dense model.",
+                              "use job.model.family=llama for a mixture of experts, or drop it.")
         refuse_foreign_keys(model, "gpt", ("n_kv_heads", "qk_norm", "qkv_bias", "out_bias", "mlp_bias", "rope"),
                             "drop it, or use job.model.family=llama; the gpt family's biases are job.model.use_bias.")
         if model.hf.architecture not in ("", gpt_hf.ARCHITECTURE):

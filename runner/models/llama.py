@@ -29,6 +29,7 @@ from runner.models.attention import attend
 from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
     embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks)
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
+from runner.models.moe import MoEMLP
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,16 @@ class LlamaConfig(Dtypes):
     attention: str = "auto"  # runner.models.attention
     remat: str = "none"
     scan_layers: bool = True
+    moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
+    moe_top_k: int = 2
+    moe_d_ff: int = 0
+    moe_shared: int = 0
+    moe_score: str = "softmax"
+    moe_normalize: bool = True
+    moe_dispatch: str = "ragged"
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss: float = 0.01
+    moe_z_loss: float = 0.001
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -78,7 +89,7 @@ def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
     (n_kv_heads=1, say), they are replicated on every tensor shard (each holds all of K and V, as
     MaxText and Levanter do), costing memory, not correctness."""
     kv = "tensor" if tensor > 1 and cfg.n_kv_heads % tensor == 0 else None
-    return (*LOGICAL_AXIS_RULES[:4], ("kv_heads", kv), *LOGICAL_AXIS_RULES[4:])
+    return (*LOGICAL_AXIS_RULES[:4], ("kv_heads", kv), *LOGICAL_AXIS_RULES[4:], ("expert", None))
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -206,7 +217,8 @@ class Block(nn.Module):
         norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
         y, cache = Attention(cfg, name="attn")(norm(name="attn_norm")(x), positions, segment_ids, cache, index)
         x = x + y
-        x = x + MLP(cfg, name="mlp")(norm(name="mlp_norm")(x))
+        mlp = MoEMLP(cfg, activation(cfg.activation), name="moe") if cfg.moe_experts else MLP(cfg, name="mlp")
+        x = x + mlp(norm(name="mlp_norm")(x))
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 
@@ -234,12 +246,26 @@ class Llama(Decoder):
         return RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x), embed, new_cache
 
 
+def moe_settings(model: Any) -> dict[str, Any]:
+    """LlamaConfig's moe_* fields from job.model.moe (all defaults while n_experts is 0)."""
+    m = model.moe
+    if not m.n_experts:
+        return {}
+    return dict(moe_experts=m.n_experts, moe_top_k=m.top_k, moe_d_ff=m.d_ff_expert or model.d_ff or 4 * model.d_model,
+                moe_shared=m.n_shared_experts, moe_score=m.score, moe_normalize=m.normalize_top_k,
+                moe_dispatch=m.dispatch, moe_capacity_factor=m.capacity_factor, moe_aux_loss=m.aux_loss,
+                moe_z_loss=m.z_loss)
+
+
 def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:
     d, h, f = cfg.d_model, cfg.head_dim, cfg.d_ff
     q, kv = cfg.n_heads * h, cfg.n_kv_heads * h
     attn = (d * q + 2 * d * kv + q * d + (q + 2 * kv) * int(cfg.qkv_bias) + 2 * h * int(cfg.qk_norm)
             + d * int(cfg.out_bias))
-    layer = attn + 3 * d * f + (2 * f + d) * int(cfg.mlp_bias) + 2 * d
+    mlp = 3 * d * f + (2 * f + d) * int(cfg.mlp_bias)
+    if cfg.moe_experts:  # the router, every expert, the shared experts
+        mlp = d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (cfg.moe_experts + cfg.moe_shared)
+    layer = attn + mlp + 2 * d
     total = cfg.n_layers * layer + d
     if not cfg.tie_embeddings:
         total += d * cfg.vocab_size
@@ -253,7 +279,10 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     matrices, the LM head) plus attention's QK^T and AV over the full (not causally halved) score
     matrix, 12 * n_layers * n_heads * head_dim * seq_len, as GPT's count."""
     d, h = cfg.d_model, cfg.head_dim
-    matmul = cfg.n_layers * (2 * d * cfg.n_heads * h + 2 * d * cfg.n_kv_heads * h + 3 * d * cfg.d_ff) + d * cfg.vocab_size
+    mlp = 3 * d * cfg.d_ff
+    if cfg.moe_experts:  # what a token uses: the router, its top_k experts, the shared ones
+        mlp = d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (cfg.moe_top_k + cfg.moe_shared)
+    matmul = cfg.n_layers * (2 * d * cfg.n_heads * h + 2 * d * cfg.n_kv_heads * h + mlp) + d * cfg.vocab_size
     return float(6 * matmul + 12 * cfg.n_layers * cfg.n_heads * h * seq_len)
 
 
@@ -284,7 +313,8 @@ class LlamaFamily:
                          rope_high_freq_factor=r.high_freq_factor, rope_original_context=r.original_context,
                          rope_beta_fast=r.beta_fast, rope_beta_slow=r.beta_slow,
                          rope_attention_factor=r.attention_factor, rope_truncate=r.truncate,
-                         activation=model.activation or "silu", hf_architecture=model.hf.architecture)
+                         activation=model.activation or "silu", hf_architecture=model.hf.architecture,
+                         **moe_settings(model))
 
     @staticmethod
     def module(config: LlamaConfig) -> Llama:

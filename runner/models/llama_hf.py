@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, UserError
 from runner.models.hf import (
     HFTensor,
     Refused,
@@ -273,7 +273,18 @@ def rope_parameters(cfg: Any) -> dict[str, Any]:
     return rope
 
 
+def refuse_experts(cfg: Any) -> None:
+    """Mixtral's and Qwen3-MoE's expert tensors are not mapped yet: an MoE model is neither
+    exported nor warm-started from Hugging Face (refused, not half-converted)."""
+    if getattr(cfg, "moe_experts", 0):
+        raise UserError(f"This model has mixture-of-experts layers (job.model.moe.n_experts={cfg.moe_experts}), and "
+                        "runner does not map expert tensors to or from Hugging Face yet (Mixtral, Qwen3-MoE). Fix: "
+                        "evaluate it with mode=eval or lm-eval's `--model runner`, or train a dense model "
+                        "(job.model.moe.n_experts=0) to exchange it with transformers.")
+
+
 def hf_config(cfg: Any) -> dict[str, Any]:
+    refuse_experts(cfg)
     arch, model_type = architecture(cfg)
     config: dict[str, Any] = {
         "architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
@@ -296,6 +307,7 @@ def hf_config(cfg: Any) -> dict[str, Any]:
 
 
 def layout(cfg: Any) -> list[HFTensor]:
+    refuse_experts(cfg)
     d, h, n, k = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     _, model_type = architecture(cfg)
 

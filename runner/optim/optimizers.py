@@ -117,7 +117,8 @@ def sgd(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> o
 def _matrix_axes(names: tuple[Any, ...]) -> optax_contrib.MuonDimensionNumbers | None:
     """Muon's (reduction, output) axes of one weight, from its logical axis names.
 
-    Stacked layers (``layers``) are batch axes, orthogonalised one layer at a time. Every
+    Stacked layers (``layers``) are batch axes, orthogonalised one layer at a time, and so are
+    stacked experts (``expert`` beside two matrix axes: each expert's matrices apart). Every
     transformer matrix either reads the residual stream (``embed`` first: the rest is its
     output, e.g. the heads x head_dim of a query projection) or writes it (``embed`` last: the
     rest is its input). Vectors (biases, norm scales) and vocabulary tables are not matrices.
@@ -125,6 +126,8 @@ def _matrix_axes(names: tuple[Any, ...]) -> optax_contrib.MuonDimensionNumbers |
     if "vocab" in names:
         return None
     free = [i for i, name in enumerate(names) if name != "layers"]
+    if len(free) > 2 and "expert" in (names[i] for i in free):
+        free = [i for i in free if names[i] != "expert"]
     if len(free) < 2:
         return None
     if names[free[0]] == "embed":

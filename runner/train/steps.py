@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from runner.data.documents import model_inputs
+from runner.models.common import LOSSES, REPORTS
 from runner.observability import debug
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
@@ -23,13 +24,33 @@ Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"} (+ "segment_ids", "positio
 LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array], key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of per-token cross-entropy over real targets, number of real targets)."""
-    logits = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key},
-                            **model_inputs(micro))
+def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array],
+               key: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(sum of per-token cross-entropy over real targets, plus what the model's layers add to the
+    loss per token (their LOSSES: an MoE router's balancing terms); number of real targets; what
+    the layers report (their REPORTS, reduced over layers))."""
+    logits, sown = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key},
+                                  mutable=[LOSSES, REPORTS], **model_inputs(micro))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
     mask = micro["mask"].astype(jnp.float32)
-    return jnp.sum(losses * mask), jnp.sum(mask)
+    count = jnp.sum(mask)
+    extra = sum((jnp.sum(leaf) for leaf in jax.tree.leaves(sown.get(LOSSES, {}))), jnp.zeros((), jnp.float32))
+    return jnp.sum(losses * mask) + extra * count, count, reports(sown.get(REPORTS, {}))
+
+
+def reports(sown: Any) -> dict[str, jax.Array]:
+    """The layers' sown reports by name: the largest over layers for a name ending in _max, the
+    smallest for _min, else the mean."""
+    by_name: dict[str, list[jax.Array]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
+        name = next(str(p.key) for p in reversed(path) if isinstance(p, jax.tree_util.DictKey))
+        by_name.setdefault(name, []).append(jnp.ravel(leaf).astype(jnp.float32))
+    out = {}
+    for name, values in by_name.items():
+        merged = jnp.concatenate(values)
+        out[name] = jnp.max(merged) if name.endswith("_max") else jnp.min(merged) if name.endswith("_min") else \
+            jnp.mean(merged)
+    return out
 
 
 def train_step(state: Any, batch: Batch, key: jax.Array, accumulate_steps: int, layer_norms: bool = False,
@@ -37,23 +58,32 @@ def train_step(state: Any, batch: Batch, key: jax.Array, accumulate_steps: int, 
     """Gradients over S micro-batches, weighted by target-token count (a padded token counts for
     nothing), then one optimizer step. Returns (state, loss, meta); with `layer_norms`, meta also
     holds per-layer gradient norms."""
-    grad_fn = jax.value_and_grad(lambda p, micro, k: loss_fn(state, p, micro, k), has_aux=True)
+    def loss_and_reports(p: Any, micro: Mapping[str, jax.Array], k: jax.Array) -> tuple[jax.Array, Any]:
+        loss, count, *rest = loss_fn(state, p, micro, k)  # a job's own loss may report nothing
+        return loss, (count, rest[0] if rest else {})
+
+    grad_fn = jax.value_and_grad(loss_and_reports, has_aux=True)
+    first = jax.tree.map(lambda a: a[0], batch)
+    report_shapes = jax.eval_shape(loss_and_reports, state.params, first, key)[1][1]
 
     def accumulate(carry, inputs):
-        grads, loss_sum, count = carry
+        grads, loss_sum, count, reported = carry
         micro, k = inputs
-        (micro_loss, micro_count), micro_grads = grad_fn(state.params, micro, k)
+        (micro_loss, (micro_count, micro_reports)), micro_grads = grad_fn(state.params, micro, k)
         grads = jax.tree.map(jnp.add, grads, micro_grads)
-        return (grads, loss_sum + micro_loss, count + micro_count), None
+        reported = jax.tree.map(jnp.add, reported, micro_reports)
+        return (grads, loss_sum + micro_loss, count + micro_count, reported), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), state.params)
     keys = jax.random.split(key, accumulate_steps)
     zero = jnp.zeros((), jnp.float32)
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, zero, zero), (batch, keys))
+    no_reports = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), report_shapes)
+    (grads, loss_sum, count, reported), _ = jax.lax.scan(accumulate, (zeros, zero, zero, no_reports), (batch, keys))
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
     new_state = state.apply_gradients(grads=grads)
-    meta = {"grad_norm": optax.tree.norm(grads), "tokens": count}
+    meta = {"grad_norm": optax.tree.norm(grads), "tokens": count,
+            **jax.tree.map(lambda r: r / accumulate_steps, reported)}  # the mean over micro-batches
     if layer_norms:
         meta.update(debug.layer_norms(grads, "grad_norm"))
     return new_state, loss_sum / denom, meta

@@ -200,8 +200,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
 
     @classmethod
     def token_loss(cls, state: TrainState, params: Any, micro: Mapping[str, jax.Array],
-                   key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(sum of per-token cross-entropy over real targets, number of real targets)."""
+                   key: jax.Array) -> tuple[jax.Array, ...]:
+        """(summed loss over real targets, number of real targets[, what to report]): the
+        cross-entropy plus what the model's layers add (an MoE router's balancing terms), and
+        their reports. An override may return the first two alone."""
         return steps.token_loss(state, params, micro, key)
 
     @classmethod
