@@ -1,7 +1,7 @@
 """A mixture-of-experts feed-forward block: a router picks `top_k` of `n_experts` SwiGLU experts per
 token, the chosen experts run on just their tokens, and the outputs are summed by the routing
-weights. Groundwork for sparse families (issue 29): the block and its dispatches, tested against a
-plain reference; the llama family uses it when job.model.moe.n_experts > 0.
+weights. The llama family uses it when job.model.moe.n_experts > 0; the dispatches are tested
+against the plain reference.
 
 Dispatches:
   ragged    tokens sorted by expert, one grouped matmul per weight (`jax.lax.ragged_dot`): no
@@ -11,8 +11,9 @@ Dispatches:
   dense     every expert on every token, masked by the routing: the reference the others are
             tested against (E times the FLOPs; for tests and tiny models)
 
-Balancing: the Switch/Mixtral load-balancing loss, the router z-loss, and DeepSeek-V3's per-expert
-selection bias (added to the scores for choosing experts only, never to the weights).
+Balancing: the Switch/Mixtral load-balancing loss and the router z-loss (both in the training
+loss), and the functions for DeepSeek-V3's per-expert selection bias (added to the scores for
+choosing experts only, never to the weights; not yet kept in the train state).
 """
 
 from __future__ import annotations
