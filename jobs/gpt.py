@@ -38,6 +38,11 @@ class LMTrainer(BaseTrainer[Any, Any]):
     def param_count(self) -> int:
         return int(self.family.param_count(self.model_config))
 
+    def active_param_count(self) -> int | None:
+        """The parameters one token uses, if the family counts them apart (a mixture of experts)."""
+        count = getattr(self.family, "active_param_count", None)
+        return None if count is None else int(count(self.model_config))
+
     def import_hf(self, abstract_params: Any) -> Any:
         """The model's settings already come from config.json (runner.models.with_hf_settings)."""
         return import_hf_params(self.spec, self.model_config, abstract_params)

@@ -29,7 +29,10 @@ class ModelFamily(Protocol):
         """Exact parameter count, without building the model."""
 
     def flops_per_token(self, config: Any, seq_len: int) -> float:
-        """Training FLOPs per token (forward and backward)."""
+        """Training FLOPs per token (forward and backward).
+
+        Optional: ``active_param_count(config)``, the parameters one token uses (fewer than all
+        in a mixture of experts); the run card shows it beside the total."""
 
 
 MODEL_FAMILIES: Registry[Any] = Registry("model family", "job.model.family")

@@ -274,6 +274,12 @@ def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:
     return total
 
 
+def active_param_count(cfg: LlamaConfig) -> int:
+    """The parameters one token uses: every one but the experts its router did not choose."""
+    unused = cfg.moe_experts - cfg.moe_top_k if cfg.moe_experts else 0
+    return param_count(cfg) - cfg.n_layers * unused * 3 * cfg.d_model * cfg.moe_d_ff
+
+
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x the matmul weights (attention projections, SwiGLU's three
     matrices, the LM head) plus attention's QK^T and AV over the full (not causally halved) score
@@ -325,6 +331,7 @@ class LlamaFamily:
         return axis_rules(config, int(dict(mesh_shape).get("tensor", 1)))
 
     param_count = staticmethod(param_count)
+    active_param_count = staticmethod(active_param_count)
     flops_per_token = staticmethod(flops_per_token)
 
     # ------------------------------------------------------------------ Hugging Face (runner.models.llama_hf)

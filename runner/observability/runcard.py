@@ -25,7 +25,9 @@ def _human(n: float, unit: str = "") -> str:
 def summary_lines(facts: Mapping[str, Any]) -> list[str]:
     mem = facts.get("memory_per_device_bytes")
     return [
-        f"parameters: {facts['parameters']:,} ({_human(facts['parameters'])})",
+        f"parameters: {facts['parameters']:,} ({_human(facts['parameters'])})"
+        + (f", {facts['active_parameters']:,} ({_human(facts['active_parameters'])}) active per token"
+           if facts.get("active_parameters") else ""),
         "training FLOPs per token: " + (_human(facts["flops_per_token"], "FLOP") if facts.get("flops_per_token")
                                          else "unknown"),
         f"mesh: {facts['mesh']} over {facts['devices']} devices, {facts['processes']} process(es)",

@@ -128,6 +128,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         mode=compile and the benchmark report it)."""
         return None
 
+    def active_param_count(self) -> Optional[int]:
+        """The parameters one token uses, if fewer than all (a mixture of experts): the run card
+        shows both."""
+        return None
+
     def check_vocab(self) -> None:
         if self.strategy.vocab_size > self.model_vocab_size():
             raise UserError(
@@ -476,6 +481,9 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             self._facts = runcard.run_facts(self.state.params, self.flops_per_token(), self.mesh,
                                             self.program.train_executable(self.state), self.state)
             self._facts["throughput"] = self.throughput.describe()
+            active = self.active_param_count()
+            if active is not None and active != self._facts["parameters"]:
+                self._facts["active_parameters"] = active
             if getattr(self, "attention", ""):
                 self._facts["attention"] = self.attention
             for line in runcard.summary_lines(self._facts):
