@@ -252,3 +252,34 @@ def test_muon_orthogonalises_each_expert_s_matrices_apart() -> None:
     assert (moe["up"].reduction_axis, moe["up"].output_axis) == (2, (3,))
     assert (moe["down"].reduction_axis, moe["down"].output_axis) == ((2,), 3)  # mlp in, embed out
     assert (moe["router"].reduction_axis, moe["router"].output_axis) == (1, (2,))  # a (embed, expert) matrix
+
+
+# Mixtral-8x7B (46.7B, 12.9B active per token) and Qwen3-30B-A3B (30.5B, 3.3B activated), as
+# transformers' configs give them: the totals are the published models' to the parameter.
+PUBLISHED_MOE = {
+    "mixtral_8x7b": (dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                          d_ff=14336, tie_embeddings=False), dict(n_experts=8, top_k=2),
+                     46_702_792_704, 12_879_925_248),
+    "qwen3_30b_a3b": (dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                           d_ff=6144, qk_norm=True, tie_embeddings=False), dict(n_experts=128, top_k=8, d_ff_expert=768),
+                      30_532_122_624, 3_353_032_704),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_MOE)
+def test_published_moe_shapes_count_every_parameter_and_the_active_ones(name: str) -> None:
+    import flax.linen as nn
+
+    from runner.models.llama import Llama, LlamaFamily
+    from runner.spec import ModelSpec, MoESpec
+
+    model, moe, total, active = PUBLISHED_MOE[name]
+    cfg = LlamaFamily.config(ModelSpec(family="llama", context_length=4096, **model, moe=MoESpec(**moe)))
+    shapes = nn.unbox(jax.eval_shape(Llama(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    counted = sum(int(np.prod(x.shape)) for _, x in leaves)
+    experts = sum(int(np.prod(x.shape)) for path, x in leaves
+                  if jax.tree_util.keystr(path).endswith(("'moe']['gate']", "'moe']['up']", "'moe']['down']")))
+    unchosen = experts * (cfg.moe_experts - cfg.moe_top_k) // cfg.moe_experts
+    assert LlamaFamily.param_count(cfg) == counted == total
+    assert LlamaFamily.active_param_count(cfg) == counted - unchosen == active
