@@ -205,6 +205,8 @@ def test_an_moe_run_resumes_bit_exact_after_sigkill_and_a_mesh_gives_the_same_nu
     reports = [r for r in read_metrics(tmp_path / "whole") if "moe/aux_loss" in r]
     assert [r["step"] for r in reports] == list(range(1, 7))
     assert all(r["moe/load_max"] >= 1.0 >= r["moe/load_min"] and r["moe/dropped"] == 0.0 for r in reports)
+    card = (tmp_path / "whole" / "RUN_CARD.md").read_text()
+    assert "active per token" in card  # 4 experts, 2 chosen: fewer parameters per token than in all
 
     killed = run_runner([*MOE_RUN, "run.dir=killed"], tmp_path, RUNNER_FAULT="kill_at_step:3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
