@@ -84,7 +84,7 @@ class HFOriginSpec(_Frozen):
     eos_token_id: list[int] = field(default_factory=list)  # empty: the training data's end-of-document id
 
 
-MOE_DISPATCHES = ("ragged", "capacity", "dense")
+MOE_DISPATCHES = ("auto", "ragged", "gmm", "capacity", "dense")
 MOE_SCORES = ("softmax", "sigmoid")
 
 
@@ -97,22 +97,33 @@ class MoESpec(_Frozen):
     top_k: int = 2  # experts per token
     d_ff_expert: int = 0  # each expert's hidden width; 0: job.model.d_ff
     n_shared_experts: int = 0  # experts every token goes through as well (DeepSeek-V3's)
+    first_dense_layers: int = 0  # leading layers that keep a dense MLP of width job.model.d_ff (DeepSeek-V3's 3)
     score: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
     normalize_top_k: bool = True  # the chosen experts' weights sum to one
-    dispatch: str = "ragged"  # ragged (dropless grouped matmuls) | capacity | dense (every expert on every token)
+    # auto (gmm on TPU, else ragged) | ragged (dropless grouped matmuls) | gmm (ragged by megablox's TPU
+    # kernel) | capacity (at most capacity_factor x an even share per expert) | dense (every expert, every token)
+    dispatch: str = "auto"
     capacity_factor: float = 1.25  # capacity dispatch: slots per expert, as a multiple of an even share
     aux_loss: float = 0.01  # the Switch/Mixtral load-balancing loss's coefficient
     z_loss: float = 0.001  # the router z-loss's coefficient
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores to choose
+    # experts (never to their weights), moved by this much after each step toward even load; 0: off
+    bias_update_rate: float = 0.0
 
     def check(self, spec: ExecutionSpec) -> None:
         _check_rules("job.model.moe", self, (
             ("n_experts", ">= 0"), ("top_k", "> 0"), ("d_ff_expert", ">= 0"), ("n_shared_experts", ">= 0"),
-            ("score", MOE_SCORES), ("dispatch", MOE_DISPATCHES), ("capacity_factor", "> 0"),
-            ("aux_loss", ">= 0"), ("z_loss", ">= 0")))
+            ("first_dense_layers", ">= 0"), ("score", MOE_SCORES), ("dispatch", MOE_DISPATCHES),
+            ("capacity_factor", "> 0"),
+            ("aux_loss", ">= 0"), ("z_loss", ">= 0"), ("bias_update_rate", ">= 0")))
         if self.n_experts and self.top_k > self.n_experts:
             raise ConfigError("job.model.moe.top_k", self.top_k, f"a token cannot choose more experts than the "
                               f"{self.n_experts} there are (job.model.moe.n_experts).",
                               f"use top_k <= {self.n_experts}.")
+        if self.n_experts and self.first_dense_layers >= spec.job.model.n_layers:
+            raise ConfigError("job.model.moe.first_dense_layers", self.first_dense_layers,
+                              f"it leaves none of the {spec.job.model.n_layers} layers (job.model.n_layers) with "
+                              "experts.", "use fewer dense layers, or job.model.moe.n_experts=0 for a dense model.")
 
 
 @dataclass(frozen=True)
@@ -183,12 +194,13 @@ class JobSpec(_Frozen):
 class MeshSpec(_Frozen):
     data: int = -1
     fsdp: int = 1
+    expert: int = 1  # shards a mixture of experts' experts (job.model.moe); elsewhere it splits the batch
     tensor: int = 1
 
     def check(self, spec: ExecutionSpec) -> None:
         _check_rules("mesh", self, tuple(
             (axis, lambda v: v != 0 and v >= -1, "mesh sizes are positive, or -1 for 'the rest'.",
-             f"set mesh.{axis} to a positive size or -1.") for axis in ("data", "fsdp", "tensor")))
+             f"set mesh.{axis} to a positive size or -1.") for axis in ("data", "fsdp", "expert", "tensor")))
 
 
 @dataclass(frozen=True)

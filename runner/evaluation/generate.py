@@ -33,12 +33,13 @@ from runner.evaluation.base import (
 from runner.spec import EvaluatorSpec, ExecutionSpec
 
 
-def generate_tokens(apply_fn: Callable[..., Any], params: Any, prompt: jax.Array, length: jax.Array,
+def generate_tokens(apply_fn: Callable[..., Any], variables: Any, prompt: jax.Array, length: jax.Array,
                     row_ids: jax.Array, *, max_new_tokens: int, temperature: float, seed: int, vocab: int,
                     init_cache: Optional[Callable[[int, int], Any]] = None) -> jax.Array:
     """`max_new_tokens` tokens after each row's prompt (prompt[b, :length[b]]), (B, max_new_tokens).
 
-    Only the first `vocab` logits compete (a model's output layer may be padded wider than the
+    `variables`: what the model is applied to (TrainState.variables()). Only the first `vocab`
+    logits compete (a model's output layer may be padded wider than the
     tokenizer). With `init_cache`, decoding uses the model's KV cache; without, the full forward.
     """
     batch, prompt_len = prompt.shape
@@ -55,13 +56,13 @@ def generate_tokens(apply_fn: Callable[..., Any], params: Any, prompt: jax.Array
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
     if init_cache is not None:
         cache = init_cache(batch, prompt_len + max_new_tokens)
-        logits, cache = apply_fn({"params": params}, prompt, cache=cache, index=jnp.zeros(batch, jnp.int32))
+        logits, cache = apply_fn(variables, prompt, cache=cache, index=jnp.zeros(batch, jnp.int32))
         token = pick(logits[rows, length - 1], jnp.int32(0))
         out = out.at[:, 0].set(token)
 
         def step(t: jax.Array, carry: tuple[jax.Array, Any, jax.Array]) -> tuple[jax.Array, Any, jax.Array]:
             token, cache, out = carry  # `token` sits at position length + t - 1
-            logits, cache = apply_fn({"params": params}, token[:, None], cache=cache, index=length + t - 1)
+            logits, cache = apply_fn(variables, token[:, None], cache=cache, index=length + t - 1)
             token = pick(logits[:, 0], t)
             return token, cache, out.at[:, t].set(token)
 
@@ -71,7 +72,7 @@ def generate_tokens(apply_fn: Callable[..., Any], params: Any, prompt: jax.Array
 
     def full_step(t: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         buffer, out = carry
-        logits = apply_fn({"params": params}, buffer)
+        logits = apply_fn(variables, buffer)
         token = pick(logits[rows, length + t - 1], t)
         return buffer.at[rows, length + t].set(token), out.at[:, t].set(token)
 
@@ -136,8 +137,8 @@ class Generate(EvaluatorBase):
             settings, vocab = self.settings, int(ctx.strategy.vocab_size)
 
             def run(state: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-                tokens = generate_tokens(state.apply_fn, state.params, batch["prompt"], batch["length"], batch["id"],
-                                         max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                tokens = generate_tokens(state.apply_fn, state.variables(), batch["prompt"], batch["length"],
+                                         batch["id"], max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                          seed=settings.seed, vocab=vocab, init_cache=init_cache)
                 return tokens, batch["id"]
 

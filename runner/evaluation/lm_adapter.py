@@ -171,8 +171,8 @@ class RunnerLM(TemplateLM):
             vocab = int(self.ctx.strategy.vocab_size)
 
             def run(state: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-                tokens = generate_tokens(state.apply_fn, state.params, batch["prompt"], batch["length"], batch["id"],
-                                         max_new_tokens=new, temperature=temperature, seed=0, vocab=vocab,
+                tokens = generate_tokens(state.apply_fn, state.variables(), batch["prompt"], batch["length"],
+                                         batch["id"], max_new_tokens=new, temperature=temperature, seed=0, vocab=vocab,
                                          init_cache=init_cache)
                 return tokens, batch["id"]
 

@@ -53,7 +53,7 @@ def pair_row(context: Sequence[int], continuation: Sequence[int], seq_len: int) 
 def row_scores(state: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per row: (sum of log p(target) over its masked tokens, whether every masked target is the
     argmax, the row id)."""
-    logits = state.apply_fn({"params": state.params}, batch["x"], deterministic=True)
+    logits = state.apply_fn(state.variables(), batch["x"], deterministic=True)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     target = jnp.take_along_axis(logp, batch["y"][..., None], axis=-1)[..., 0]
     greedy = jnp.all((jnp.argmax(logp, axis=-1) == batch["y"]) | (batch["mask"] == 0), axis=-1)

@@ -69,12 +69,14 @@ def spec_for_checkpoint(spec: ExecutionSpec) -> ExecutionSpec:
 
 def restore_for_eval(spec: ExecutionSpec) -> tuple[Any, TrainState, Any]:
     """(job, state, step directory): the job built for the checkpoint eval.checkpoint names (else
-    the newest under run.dir) with only its parameters, step, rng and guard restored (no
+    the newest under run.dir) with only its parameters, model state, step, rng and guard restored (no
     optimizer state is read or built). `spec` should come from `spec_for_checkpoint`."""
     step_dir = checkpoint_step_dir(spec)
     job = JOBS.get(spec.job.trainer)(spec)
     abstract, sharding = job.program.abstract_state()
     wanted = {"step": abstract.step, "params": abstract.params, "rng": abstract.rng, "guard": abstract.guard}
+    if abstract.model_state:
+        wanted["model_state"] = abstract.model_state
     try:
         tree = restore_tree(step_dir / STATE, wanted, partial=True)
     except (ValueError, KeyError) as err:
@@ -85,7 +87,7 @@ def restore_for_eval(spec: ExecutionSpec) -> tuple[Any, TrainState, Any]:
         ) from None
     job.program.state_sharding = sharding.replace(opt_state=())
     state = TrainState(step=tree["step"], apply_fn=job.model.apply, params=tree["params"], tx=job.program.tx,
-                       opt_state=(), rng=tree["rng"], guard=tree["guard"])
+                       opt_state=(), rng=tree["rng"], guard=tree["guard"], model_state=tree.get("model_state", {}))
     return job, state, step_dir
 
 

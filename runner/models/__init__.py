@@ -43,8 +43,11 @@ def model_config(spec: ExecutionSpec) -> Any:
     config = family_for(spec).config(spec.job.model)
     if not dataclasses.is_dataclass(config) or not hasattr(config, "attention"):
         return config
-    impl = attention.check(config.attention, platform(spec), spec.job.model.compute_dtype, spec.train.seq_len)
-    return dataclasses.replace(config, attention=impl)
+    target = platform(spec)
+    impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
+    config = dataclasses.replace(config, attention=impl)
+    for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
+    return for_platform(config, target) if for_platform else config
 
 
 def check_spec(spec: ExecutionSpec) -> None:
@@ -55,6 +58,8 @@ def check_spec(spec: ExecutionSpec) -> None:
     config = family.config(spec.job.model)
     named = parse_topology(spec.topology).platform if spec.topology else "auto"
     attention.check(spec.job.model.attention, named, spec.job.model.compute_dtype, spec.train.seq_len)
+    if hasattr(family, "for_platform"):
+        family.for_platform(config, named)
     if hasattr(family, "hf_architecture"):
         family.hf_architecture(config)
 

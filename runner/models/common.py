@@ -64,12 +64,12 @@ class Dtypes:
 
 # ----------------------------------------------------------------------------- logical axes
 
-# Logical axis name -> mesh axes for a ("data", "fsdp", "tensor") mesh.  Order
+# Logical axis name -> mesh axes for a ("data", "fsdp", "expert", "tensor") mesh.  Order
 # matters: flax assigns rules first-come and never reuses a mesh axis within one
 # array, so "batch" claims "fsdp" before "embed" does on activations, while
 # weights (which have no batch axis) are FSDP-sharded along "embed".
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
@@ -85,6 +85,10 @@ Axes = tuple[str | None, ...]
 # added to the loss it differentiates, REPORTS are logged with the step's metrics (a name ending
 # in _max or _min by its largest or smallest value over layers, any other by the mean).
 LOSSES, REPORTS = "losses", "reports"
+# What a layer keeps between steps that is not trained (an MoE router's selection bias): the train
+# state carries it (TrainState.model_state), checkpoints hold it, and every apply passes it; the
+# train step lets the layers update it (mutable) and keeps the mean of their updates over micro-batches.
+MODEL_STATE = "model_state"
 
 
 def normal_init(std: float, names: Axes) -> Callable[..., Any]:
@@ -184,10 +188,13 @@ def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
 
 def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array, shared: tuple[Any, ...],
                  caches: KVCache | None, index: jax.Array | None,
-                 rngs: tuple[str, ...] = ("params",)) -> tuple[jax.Array, KVCache | None]:
-    """n_layers blocks, ``block(*block_args)(x, *shared, cache, index) -> (x, cache)``: scanned (one
-    compiled block, parameters and cache stacked on a leading "layers" axis, as ``blocks``) or
-    unrolled (``block_i``), rematerialised as ``cfg.remat`` says. Call inside a compact method."""
+                 rngs: tuple[str, ...] = ("params",), layers: range | None = None,
+                 name: str = "blocks") -> tuple[jax.Array, KVCache | None]:
+    """The blocks `layers` (all n_layers by default), ``block(*block_args)(x, *shared, cache,
+    index) -> (x, cache)``: scanned (one compiled block, parameters and cache stacked on a leading
+    "layers" axis, as `name`) or unrolled (``block_i``, i the layer's number in the model),
+    rematerialised as ``cfg.remat`` says. `caches` are the given layers'. Call inside a compact method."""
+    layers = range(cfg.n_layers) if layers is None else layers
     if cfg.remat != "none":
         # Under scan the loop boundary already stops XLA from CSE-ing the recomputation away, so
         # prevent_cse would only cost performance.
@@ -195,15 +202,15 @@ def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array
     if cfg.scan_layers:
         return nn.scan(
             block,
-            variable_axes={"params": 0, LOSSES: 0, REPORTS: 0},
+            variable_axes={"params": 0, LOSSES: 0, REPORTS: 0, MODEL_STATE: 0},
             split_rngs={r: True for r in rngs},
             in_axes=(*[nn.broadcast] * len(shared), 0, nn.broadcast),
-            length=cfg.n_layers,
+            length=len(layers),
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(*block_args, name="blocks")(x, *shared, caches, index)
+        )(*block_args, name=name)(x, *shared, caches, index)
     updated = []
-    for i in range(cfg.n_layers):
-        layer = None if caches is None else (caches[0][i], caches[1][i])
+    for n, i in enumerate(layers):
+        layer = None if caches is None else (caches[0][n], caches[1][n])
         x, layer = block(*block_args, name=f"block_{i}")(x, *shared, layer, index)
         updated.append(layer)
     if caches is None:

@@ -38,13 +38,18 @@ MODEL_FILE_PATTERNS = (*WEIGHT_PATTERNS, "config.json", "generation_config.json"
 class HFTensor:
     """One Hugging Face tensor: made of `sources` (runner parameter paths, '/'-joined, relative
     to layer `layer`'s parameters, or to the model's when `layer` is None) by `to_hf`, and split
-    back into them by `from_hf`."""
+    back into them by `from_hf`. `split`: the model's first `split` layers are scanned apart, as
+    `dense_blocks` (an MoE model's leading dense layers; 0: every layer is in `blocks`). `part`:
+    the tensor is that slice of each source (one expert of a stacked expert parameter: Hugging
+    Face stores each expert's matrices apart)."""
 
     name: str
     sources: tuple[str, ...]
     layer: int | None
     to_hf: Callable[..., np.ndarray]
     from_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    split: int = 0
+    part: tuple[int, ...] = ()
 
 
 def same(x: np.ndarray) -> np.ndarray:
@@ -69,12 +74,21 @@ def zeros_of(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[str, ...], C
     return name, (), lambda: np.zeros(shape, np.float32), check
 
 
-def param_path(source: str, layer: int | None, scanned: bool) -> tuple[tuple[str, ...], int | None]:
-    """(runner parameter path, index into its stacked layer axis or None)."""
+def param_path(source: str, layer: int | None, scanned: bool, split: int = 0) -> tuple[tuple[str, ...], int | None]:
+    """(runner parameter path, index into its stacked layer axis or None). Unrolled, layer i is
+    `block_i`; scanned, layers [0, split) are stacked as `dense_blocks` and the rest as `blocks`
+    (runner.models.llama.Llama.layers), each from index 0."""
     parts = tuple(source.split("/"))
     if layer is None:
         return parts, None
-    return (("blocks", *parts), layer) if scanned else ((f"block_{layer}", *parts), None)
+    if not scanned:
+        return (f"block_{layer}", *parts), None
+    return (("dense_blocks", *parts), layer) if layer < split else (("blocks", *parts), layer - split)
+
+
+def _index(tensor: HFTensor, layer_index: int | None) -> tuple[int, ...]:
+    """Where a tensor's part lies in its source leaf: the stacked layer, then `part`."""
+    return (() if layer_index is None else (layer_index,)) + tensor.part
 
 
 # ----------------------------------------------------------------------------- reading checkpoints
@@ -147,9 +161,10 @@ def export_tensors(layout: Sequence[HFTensor], read: Callable[[tuple[str, ...]],
     for tensor in layout:
         arrays = []
         for source in tensor.sources:
-            path, index = param_path(source, tensor.layer, scanned)
+            path, index = param_path(source, tensor.layer, scanned, tensor.split)
             leaf = read(path)
-            arrays.append(leaf[index] if index is not None else leaf)
+            at = _index(tensor, index)
+            arrays.append(leaf[at] if at else leaf)
         array = np.ascontiguousarray(tensor.to_hf(*arrays))
         if tensor.sources:
             dtype = array.dtype
@@ -439,6 +454,27 @@ def hf_tensor_reader(where: Path) -> Callable[[str], np.ndarray]:
 BufferCheck = Callable[[np.ndarray, Callable[[str], np.ndarray]], bool]
 
 
+def _place(flat: dict[tuple[str, ...], np.ndarray], tensor: HFTensor, value: np.ndarray,
+           shapes: Mapping[tuple[str, ...], Any], scanned: bool, where: Path) -> None:
+    """Put one Hugging Face tensor's parts into `flat` (runner path -> array): whole, or into its
+    layer's (and expert's) slot of a stacked parameter."""
+    for source, part in zip(tensor.sources, tensor.from_hf(value)):
+        path, index = param_path(source, tensor.layer, scanned, tensor.split)
+        at = _index(tensor, index)
+        if not at:
+            flat[path] = part
+            continue
+        if path not in flat:
+            if path not in shapes:
+                raise UserError(f"{where} has {tensor.name}, and this model has no parameter {'/'.join(path)} to "
+                                "hold it. Fix: use the model settings of its config.json.")
+            flat[path] = np.zeros(shapes[path], np.float32)
+        if flat[path][at].shape != part.shape:
+            raise UserError(f"{where} holds {tensor.name} of shape {tuple(value.shape)}, which does not fit "
+                            f"{'/'.join(path)} {tuple(shapes[path])}. Fix: use the model settings of its config.json.")
+        flat[path][at] = part
+
+
 def import_params(layout: Sequence[HFTensor], read: Callable[[str], np.ndarray], shapes: Mapping[tuple[str, ...], Any],
                   scanned: bool, where: Path, buffers: Mapping[str, BufferCheck] | None = None) -> dict[str, Any]:
     """runner's parameter tree (numpy, float32) from Hugging Face tensors, stacked for scanned
@@ -454,14 +490,7 @@ def import_params(layout: Sequence[HFTensor], read: Callable[[str], np.ndarray],
             raise UserError(f"{where} has no tensor {tensor.name}, which this model needs. Fix: check that "
                             "config.json and the weights belong together.") from None
         used.add(tensor.name)
-        for source, part in zip(tensor.sources, tensor.from_hf(np.asarray(value, np.float32))):
-            path, index = param_path(source, tensor.layer, scanned)
-            if index is None:
-                flat[path] = part
-            else:
-                if path not in flat:
-                    flat[path] = np.zeros(shapes[path], np.float32)
-                flat[path][index] = part
+        _place(flat, tensor, np.asarray(value, np.float32), shapes, scanned, where)
     missing = sorted("/".join(p) for p in shapes if p not in flat)
     wrong = sorted("/".join(p) for p, a in flat.items() if p in shapes and tuple(a.shape) != tuple(shapes[p]))
     if missing or wrong:

@@ -13,6 +13,7 @@ divides n_kv_heads, replicated when it does not (see `axis_rules`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -26,8 +27,21 @@ from flax import linen as nn
 from runner.errors import ConfigError
 from runner.models import llama_hf
 from runner.models.attention import attend
-from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
-    embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks)
+from runner.models.common import (
+    LOGICAL_AXIS_RULES,
+    Decoder,
+    Dtypes,
+    KVCache,
+    activation,
+    attend_cached,
+    dense,
+    embedding,
+    merge_heads,
+    ones_init,
+    project_heads,
+    residual_std,
+    stack_blocks,
+)
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
 
@@ -75,6 +89,15 @@ class LlamaConfig(Dtypes):
     moe_capacity_factor: float = 1.25
     moe_aux_loss: float = 0.01
     moe_z_loss: float = 0.001
+    moe_first_dense: int = 0  # leading layers that keep a dense MLP
+    moe_bias_rate: float = 0.0  # the router's selection bias moves by this per step (0: no bias)
+    moe_kernel: str = "ragged_dot"  # the grouped matmul (runner.models.moe.KERNELS): gmm for dispatch gmm
+    moe_native_exchange: bool = False  # expert parallelism by jax.lax.ragged_all_to_all (TPU, GPU; for_platform)
+
+    @property
+    def dense_layers(self) -> int:
+        """How many leading layers have a dense MLP: all of them without experts."""
+        return self.moe_first_dense if self.moe_experts else self.n_layers
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -89,7 +112,7 @@ def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
     (n_kv_heads=1, say), they are replicated on every tensor shard (each holds all of K and V, as
     MaxText and Levanter do), costing memory, not correctness."""
     kv = "tensor" if tensor > 1 and cfg.n_kv_heads % tensor == 0 else None
-    return (*LOGICAL_AXIS_RULES[:4], ("kv_heads", kv), *LOGICAL_AXIS_RULES[4:], ("expert", None))
+    return (*LOGICAL_AXIS_RULES[:4], ("kv_heads", kv), *LOGICAL_AXIS_RULES[4:], ("expert", "expert"))
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
@@ -206,9 +229,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block, ``(carry, cache) -> (carry, new cache)`` to fit ``nn.scan``."""
+    """Pre-norm block, ``(carry, cache) -> (carry, new cache)`` to fit ``nn.scan``; `sparse`: its
+    feed-forward is the mixture of experts."""
 
     cfg: LlamaConfig
+    sparse: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
@@ -217,7 +242,7 @@ class Block(nn.Module):
         norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
         y, cache = Attention(cfg, name="attn")(norm(name="attn_norm")(x), positions, segment_ids, cache, index)
         x = x + y
-        mlp = MoEMLP(cfg, activation(cfg.activation), name="moe") if cfg.moe_experts else MLP(cfg, name="mlp")
+        mlp = MoEMLP(cfg, activation(cfg.activation), name="moe") if self.sparse else MLP(cfg, name="mlp")
         x = x + mlp(norm(name="mlp_norm")(x))
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
@@ -242,8 +267,27 @@ class Llama(Decoder):
             start = jnp.zeros((batch,), jnp.int32) if caches is None else jnp.asarray(index, jnp.int32)
             positions = start[:, None] + jnp.arange(seq_len)[None]
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
-        x, new_cache = stack_blocks(Block, (cfg,), cfg, x, (positions, segment_ids), caches, index)
+        x, new_cache = self.layers(x, (positions, segment_ids), caches, index)
         return RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x), embed, new_cache
+
+
+    def layers(self, x: jax.Array, shared: tuple[Any, ...], caches: KVCache | None,
+               index: jax.Array | None) -> tuple[jax.Array, KVCache | None]:
+        """The dense layers (all of them without experts; else the first `moe_first_dense`, scanned
+        as ``dense_blocks``), then the sparse ones (``blocks``)."""
+        cfg, split = self.cfg, self.cfg.dense_layers
+        if split in (0, cfg.n_layers):
+            return stack_blocks(Block, (cfg, split == 0), cfg, x, shared, caches, index)
+        parts = [(range(split), False, "dense_blocks"), (range(split, cfg.n_layers), True, "blocks")]
+        updated = []
+        for layers, sparse, name in parts:
+            part = slice(layers.start, layers.stop)
+            cache = None if caches is None else (caches[0][part], caches[1][part])
+            x, cache = stack_blocks(Block, (cfg, sparse), cfg, x, shared, cache, index, layers=layers, name=name)
+            updated.append(cache)
+        if caches is None:
+            return x, None
+        return x, (jnp.concatenate([u[0] for u in updated]), jnp.concatenate([u[1] for u in updated]))
 
 
 def moe_settings(model: Any) -> dict[str, Any]:
@@ -254,7 +298,7 @@ def moe_settings(model: Any) -> dict[str, Any]:
     return dict(moe_experts=m.n_experts, moe_top_k=m.top_k, moe_d_ff=m.d_ff_expert or model.d_ff or 4 * model.d_model,
                 moe_shared=m.n_shared_experts, moe_score=m.score, moe_normalize=m.normalize_top_k,
                 moe_dispatch=m.dispatch, moe_capacity_factor=m.capacity_factor, moe_aux_loss=m.aux_loss,
-                moe_z_loss=m.z_loss)
+                moe_z_loss=m.z_loss, moe_first_dense=m.first_dense_layers, moe_bias_rate=m.bias_update_rate)
 
 
 def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:
@@ -263,10 +307,9 @@ def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:
     attn = (d * q + 2 * d * kv + q * d + (q + 2 * kv) * int(cfg.qkv_bias) + 2 * h * int(cfg.qk_norm)
             + d * int(cfg.out_bias))
     mlp = 3 * d * f + (2 * f + d) * int(cfg.mlp_bias)
-    if cfg.moe_experts:  # the router, every expert, the shared experts
-        mlp = d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (cfg.moe_experts + cfg.moe_shared)
-    layer = attn + mlp + 2 * d
-    total = cfg.n_layers * layer + d
+    moe = d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (cfg.moe_experts + cfg.moe_shared)  # router, experts, shared
+    sparse = cfg.n_layers - cfg.dense_layers
+    total = cfg.n_layers * (attn + 2 * d) + cfg.dense_layers * mlp + sparse * moe + d
     if not cfg.tie_embeddings:
         total += d * cfg.vocab_size
     if include_embeddings:
@@ -277,7 +320,7 @@ def param_count(cfg: LlamaConfig, include_embeddings: bool = True) -> int:
 def active_param_count(cfg: LlamaConfig) -> int:
     """The parameters one token uses: every one but the experts its router did not choose."""
     unused = cfg.moe_experts - cfg.moe_top_k if cfg.moe_experts else 0
-    return param_count(cfg) - cfg.n_layers * unused * 3 * cfg.d_model * cfg.moe_d_ff
+    return param_count(cfg) - (cfg.n_layers - cfg.dense_layers) * unused * 3 * cfg.d_model * cfg.moe_d_ff
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
@@ -285,10 +328,10 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     matrices, the LM head) plus attention's QK^T and AV over the full (not causally halved) score
     matrix, 12 * n_layers * n_heads * head_dim * seq_len, as GPT's count."""
     d, h = cfg.d_model, cfg.head_dim
-    mlp = 3 * d * cfg.d_ff
-    if cfg.moe_experts:  # what a token uses: the router, its top_k experts, the shared ones
-        mlp = d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (cfg.moe_top_k + cfg.moe_shared)
-    matmul = cfg.n_layers * (2 * d * cfg.n_heads * h + 2 * d * cfg.n_kv_heads * h + mlp) + d * cfg.vocab_size
+    sparse = cfg.n_layers - cfg.dense_layers  # what a token uses there: the router, its top_k experts, the shared
+    mlp = cfg.dense_layers * 3 * d * cfg.d_ff + sparse * (d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (
+        cfg.moe_top_k + cfg.moe_shared))
+    matmul = cfg.n_layers * (2 * d * cfg.n_heads * h + 2 * d * cfg.n_kv_heads * h) + mlp + d * cfg.vocab_size
     return float(6 * matmul + 12 * cfg.n_layers * cfg.n_heads * h * seq_len)
 
 
@@ -321,6 +364,39 @@ class LlamaFamily:
                          rope_attention_factor=r.attention_factor, rope_truncate=r.truncate,
                          activation=model.activation or "silu", hf_architecture=model.hf.architecture,
                          **moe_settings(model))
+
+    @staticmethod
+    def for_platform(config: LlamaConfig, platform: str) -> LlamaConfig:
+        """The MoE settings `platform` (tpu, gpu, cpu; auto: not known yet) decides: dispatch auto
+        is gmm on TPU (megablox's grouped matmul) and ragged elsewhere; gmm is refused off TPU;
+        expert parallelism moves tokens by the ragged all-to-all where the platform has one."""
+        dispatch = config.moe_dispatch
+        if dispatch == "auto":
+            dispatch = "gmm" if platform == "tpu" else "ragged"
+        if config.moe_experts and dispatch == "gmm" and platform not in ("tpu", "auto"):
+            raise ConfigError("job.model.moe.dispatch", "gmm", f"megablox's grouped matmul is a TPU kernel, and "
+                              f"this run's platform is {platform}.",
+                              "use auto (gmm on TPU, ragged elsewhere) or ragged.")
+        kernel = "gmm" if dispatch == "gmm" else "blocked" if platform == "cpu" else "ragged_dot"
+        return dataclasses.replace(config, moe_dispatch=dispatch, moe_kernel=kernel,
+                                   moe_native_exchange=platform in ("tpu", "gpu"))
+
+    @staticmethod
+    def describe(config: LlamaConfig, mesh_shape: Any) -> str:
+        """How the experts run on a mesh (mode=compile's report); empty for a dense model."""
+        if not config.moe_experts:
+            return ""
+        ways = int(dict(mesh_shape).get("expert", 1))
+        kernel = {"ragged_dot": "jax.lax.ragged_dot", "gmm": "megablox gmm", "blocked": "blocked matmuls"}.get(
+            config.moe_kernel, config.moe_kernel)
+        how = {"capacity": f"capacity dispatch (factor {config.moe_capacity_factor:g})",
+               "dense": "dense dispatch (every expert on every token)"}.get(
+            config.moe_dispatch, f"{config.moe_dispatch} dispatch ({kernel})")
+        moved = "" if ways == 1 or config.moe_dispatch == "dense" else ", tokens to them and back by " + (
+            "all-to-all" if config.moe_dispatch == "capacity" else
+            "ragged all-to-all" if config.moe_native_exchange else "padded all-to-all")
+        return (f"experts: {config.moe_experts} per layer, {config.moe_top_k} per token, "
+                f"{config.moe_experts // ways} on each of mesh.expert={ways} shards{moved}; {how}")
 
     @staticmethod
     def module(config: LlamaConfig) -> Llama:

@@ -123,6 +123,9 @@ class Progress:
         if "tflops_per_device" in metrics:
             mfu = f", MFU {100 * metrics['mfu']:.1f}%" if "mfu" in metrics else ""
             parts.append(f"{metrics['tflops_per_device']:.3g} TFLOP/s/dev{mfu}")
+        if "moe/load_max" in metrics:  # the busiest and idlest expert of any layer, against an even share
+            dropped = f", dropped {100 * metrics['moe/dropped']:.1f}%" if metrics.get("moe/dropped") else ""
+            parts.append(f"experts {metrics['moe/load_min']:.2f}-{metrics['moe/load_max']:.2f}x{dropped}")
         parts.append(f"ETA {_format_duration(eta_s)}")
         return " | ".join(parts)
 

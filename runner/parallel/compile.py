@@ -83,6 +83,8 @@ class CompileReport:
     analytic_flops: float | None = None  # whole step, all devices (6N + attention)
     peak_flops_per_device: float | None = None
     attention: str = "xla"  # the attention implementation the target runs (job.model.attention)
+    advice: str = "pick a larger slice"  # what would make it fit, settings already in force left out
+    model_notes: str = ""  # what else the family says about how the model runs (its `describe`, e.g. the experts')
     param_dtype: str = "float32"
     optimizer_state_dtype: str = "float32"
 
@@ -102,6 +104,7 @@ class CompileReport:
             f"  batch {self.batch_size} x {self.seq_len} tokens ({micro}), {self.parameters:,} parameters",
             f"  attention {self.attention}, parameters in {self.param_dtype}, optimizer state in"
             f" {self.optimizer_state_dtype}",
+            *([f"  {self.model_notes}"] if self.model_notes else []),
             "",
             "  memory per device",
         ]
@@ -147,8 +150,7 @@ class CompileReport:
             lines.append(f"fits: yes, the train step fits on {self.topology} (exit 0)")
         else:
             lines.append(f"fits: NO, the train step does not fit on {self.topology} (exit {DOES_NOT_FIT_EXIT_CODE})."
-                         " Lower train.batch_size or raise train.accumulate_steps, shard the state with"
-                         " mesh.fsdp, use job.model.remat=full, or pick a larger slice.")
+                         f" {self.advice[0].upper()}{self.advice[1:]}.")
         return "\n".join(lines)
 
 
@@ -314,6 +316,29 @@ def _flops(compiled: Any) -> float | None:
     return float(value) if value is not None and value >= 0 else None
 
 
+def _advice(spec: Any, mesh: dict[str, int]) -> str:
+    """The ways to fit a step that does not, leaving out each one already in force: fewer rows per
+    device (while a device has more than one), the state sharded over the devices the data axis
+    holds, full rematerialisation, a larger slice."""
+    t = spec.train
+    rows = t.batch_size // t.accumulate_steps // (mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1))
+    ways = []
+    if rows > 1:
+        ways.append(f"raise train.accumulate_steps or lower train.batch_size ({rows} rows per device now)")
+    if mesh.get("data", 1) > 1:
+        ways.append(f"shard the state over the data axis's devices with mesh.fsdp (mesh.data={mesh['data']} now)")
+    if spec.job.model.remat != "full":
+        ways.append(f"use job.model.remat=full ({spec.job.model.remat} now)")
+    ways.append("pick a larger slice")
+    return ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1]
+
+
+def _model_notes(job: Any) -> str:
+    """The family's one-line account of how the model runs on this mesh (empty if it has none)."""
+    describe = getattr(getattr(job, "family", None), "describe", None)
+    return describe(job.model_config, dict(job.mesh.shape)) if describe else ""
+
+
 def _analytic_flops(job: Any) -> float | None:
     fpt = job.flops_per_token()
     if not fpt:
@@ -346,6 +371,7 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
         analytic_flops=_analytic_flops(job),
         peak_flops_per_device=None if topology.chip is None else topology.chip.peak_bf16_flops_per_device,
         attention=str(getattr(job, "attention", "xla")), param_dtype=spec.job.model.param_dtype,
+        model_notes=_model_notes(job), advice=_advice(spec, dict(job.mesh.shape)),
         optimizer_state_dtype=spec.optimizer.state_dtype,
     )
     start = time.perf_counter()

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 
+from runner.models.common import MODEL_STATE
 from runner.optim import build_optimizer, build_schedule, optimizer_settings, schedule_extra
 from runner.optim.optimizers import param_axis_names
 from runner.parallel.mesh import microbatch_sharding
@@ -92,9 +93,10 @@ class Program:
 
     def abstract_state(self) -> tuple[Any, Any]:
         """(abstract state, its shardings), computed without touching a device."""
-        params = nn.meta.unbox(self.abstract_variables)["params"]  # the model is traced once, here
+        variables = nn.meta.unbox(self.abstract_variables)  # the model is traced once, here
         return st.abstract_state(functools.partial(st.state_around, self.job.model, self.tx),
-                                 (jax.random.PRNGKey(self.spec.seed), params), self.param_specs, self.mesh,
+                                 (jax.random.PRNGKey(self.spec.seed), variables["params"],
+                                  variables.get(MODEL_STATE, {})), self.param_specs, self.mesh,
                                  self.job.logical_axis_rules)
 
     @functools.cached_property
@@ -107,8 +109,9 @@ class Program:
 
     def init_state(self) -> TrainState:
         """A fresh state, every array created directly on its devices."""
+        sharding = self.state_sharding  # outside the mesh context: unboxing under it would constrain shapes
         with self.context():
-            return st.init_sharded(self.create_state, self.state_sharding, jax.random.PRNGKey(self.spec.seed))
+            return st.init_sharded(self.create_state, sharding, jax.random.PRNGKey(self.spec.seed))
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global (S, B, T) batch the train step takes, as shapes with shardings (the row shapes
@@ -130,9 +133,9 @@ class Program:
         """The train step compiled ahead of time, once: the loop runs it, and its memory analysis
         feeds the run card."""
         if "_train_executable" not in self.__dict__:
+            state = state if state is not None else self.abstract_state()[0]  # outside the mesh context, as above
             with self.context():
-                self._train_executable = self.train_step.lower(
-                    state if state is not None else self.abstract_state()[0], self.abstract_batch()).compile()
+                self._train_executable = self.train_step.lower(state, self.abstract_batch()).compile()
         return self._train_executable
 
     def to_device(self, local: Mapping[str, np.ndarray]) -> steps.Batch:

@@ -15,31 +15,44 @@ import jax
 import optax
 from flax.training import train_state
 
+from runner.models.common import MODEL_STATE
 from runner.optim.sharding import opt_state_sharding
 from runner.train.guards import initial_guard_state
 
 
 class TrainState(train_state.TrainState):
-    """Flax's TrainState plus the base PRNG key (the key for step s is fold_in(rng, s)) and the
-    numerical guard's rolling statistics, so both are checkpointed and resume exactly."""
+    """Flax's TrainState plus the base PRNG key (the key for step s is fold_in(rng, s)), the
+    numerical guard's rolling statistics and the model's untrained state (MODEL_STATE: an MoE
+    router's selection bias; {} for most models), so all are checkpointed and resume exactly."""
 
     rng: jax.Array
     guard: Any = None
+    model_state: Any = None
+
+    def variables(self, params: Any = None) -> dict[str, Any]:
+        """What the model is applied to: the parameters (these, or the state's) and its state."""
+        out = {"params": self.params if params is None else params}
+        if self.model_state:
+            out[MODEL_STATE] = self.model_state
+        return out
 
 
 def create_state(model: Any, tx: optax.GradientTransformation, key: jax.Array, init_args: Sequence[Any]) -> TrainState:
     """A fresh state. The parameters are unboxed before the optimizer sees them, so its state
     carries no stale partition metadata (`abstract_state` derives its shardings)."""
     init_key, _ = jax.random.split(key)
-    return state_around(model, tx, key, nn.meta.unbox(model.init(init_key, *init_args)["params"]))
+    variables = nn.meta.unbox(model.init(init_key, *init_args))
+    return state_around(model, tx, key, variables["params"], variables.get(MODEL_STATE, {}))
 
 
-def state_around(model: Any, tx: optax.GradientTransformation, key: jax.Array, params: Any) -> TrainState:
-    """The fresh state `create_state` builds around these parameters. With the parameters' shapes
-    known already, `jax.eval_shape` of this gives the state's shapes without tracing the model
-    again (about a second of every launch for gpt_10m)."""
+def state_around(model: Any, tx: optax.GradientTransformation, key: jax.Array, params: Any,
+                 model_state: Any = None) -> TrainState:
+    """The fresh state `create_state` builds around these parameters (and model state). With the
+    parameters' shapes known already, `jax.eval_shape` of this gives the state's shapes without
+    tracing the model again (about a second of every launch for gpt_10m)."""
     _, rng = jax.random.split(key)
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, guard=initial_guard_state())
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, guard=initial_guard_state(),
+                             model_state=model_state or {})
 
 
 def abstract_variables(model: Any, key: jax.Array, init_args: Sequence[Any]) -> Any:
@@ -68,8 +81,11 @@ def init_sharded(create: Callable[..., Any], sharding: Any, *args: Any) -> Any:
 
 def state_tree(state: TrainState) -> dict[str, Any]:
     """What a checkpoint holds of a state (the functions and the optimizer are rebuilt)."""
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
+    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
             "guard": state.guard}
+    if state.model_state:  # absent for a model without one: its checkpoints stay as they were
+        tree["model_state"] = state.model_state
+    return tree
 
 
 def model_shapes(params: Any) -> dict[str, list[int]]:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from runner.data.documents import model_inputs
-from runner.models.common import LOSSES, REPORTS
+from runner.models.common import LOSSES, MODEL_STATE, REPORTS
 from runner.observability import debug
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
@@ -28,36 +28,56 @@ def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array],
                key: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(sum of per-token cross-entropy over real targets, plus what the model's layers add to the
     loss per token (their LOSSES: an MoE router's balancing terms); number of real targets; what
-    the layers report (their REPORTS, reduced over layers))."""
-    logits, sown = state.apply_fn({"params": params}, micro["x"], deterministic=False, rngs={"dropout": key},
-                                  mutable=[LOSSES, REPORTS], **model_inputs(micro))
+    the layers report (their REPORTS, reduced over layers), and under MODEL_STATE the model state
+    as the layers updated it, when the model has one)."""
+    mutable = [LOSSES, REPORTS, *([MODEL_STATE] if state.model_state else [])]
+    logits, sown = state.apply_fn(state.variables(params), micro["x"], deterministic=False, rngs={"dropout": key},
+                                  mutable=mutable, **model_inputs(micro))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
     mask = micro["mask"].astype(jnp.float32)
     count = jnp.sum(mask)
     extra = sum((jnp.sum(leaf) for leaf in jax.tree.leaves(sown.get(LOSSES, {}))), jnp.zeros((), jnp.float32))
-    return jnp.sum(losses * mask) + extra * count, count, reports(sown.get(REPORTS, {}))
+    reported = reports(sown.get(REPORTS, {}))
+    if state.model_state:
+        reported[MODEL_STATE] = jax.lax.stop_gradient(sown[MODEL_STATE])
+    return jnp.sum(losses * mask) + extra * count, count, reported
+
+
+def _layer_order(path: Any) -> int:
+    """Where a sown leaf's layers come in the model: block_i at i; a scanned stack (its layers in
+    order along the leaf) by the stack's place."""
+    for p in path:
+        key = str(getattr(p, "key", ""))
+        if key.startswith("block_") and key[6:].isdigit():
+            return int(key[6:])
+    return 0
 
 
 def reports(sown: Any) -> dict[str, jax.Array]:
     """The layers' sown reports by name: the largest over layers for a name ending in _max, the
-    smallest for _min, else the mean."""
-    by_name: dict[str, list[jax.Array]] = {}
+    smallest for _min, else the mean; a _max or _min name also layer by layer, as `name/i` for
+    the i-th layer that reports it."""
+    by_name: dict[str, list[tuple[int, jax.Array]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(sown)[0]:
         name = next(str(p.key) for p in reversed(path) if isinstance(p, jax.tree_util.DictKey))
-        by_name.setdefault(name, []).append(jnp.ravel(leaf).astype(jnp.float32))
+        by_name.setdefault(name, []).append((_layer_order(path), jnp.ravel(leaf).astype(jnp.float32)))
     out = {}
     for name, values in by_name.items():
-        merged = jnp.concatenate(values)
-        out[name] = jnp.max(merged) if name.endswith("_max") else jnp.min(merged) if name.endswith("_min") else \
-            jnp.mean(merged)
+        merged = jnp.concatenate([v for _, v in sorted(values, key=lambda item: item[0])])
+        if name.endswith(("_max", "_min")):
+            out[name] = jnp.max(merged) if name.endswith("_max") else jnp.min(merged)
+            out.update({f"{name}/{i}": merged[i] for i in range(merged.shape[0])} if merged.shape[0] > 1 else {})
+        else:
+            out[name] = jnp.mean(merged)
     return out
 
 
 def train_step(state: Any, batch: Batch, key: jax.Array, accumulate_steps: int, layer_norms: bool = False,
                loss_fn: LossFn = token_loss) -> tuple[Any, jax.Array, Any]:
     """Gradients over S micro-batches, weighted by target-token count (a padded token counts for
-    nothing), then one optimizer step. Returns (state, loss, meta); with `layer_norms`, meta also
-    holds per-layer gradient norms."""
+    nothing), then one optimizer step; the model state the layers updated (MODEL_STATE) is the
+    mean of their updates over the micro-batches. Returns (state, loss, meta); with `layer_norms`,
+    meta also holds per-layer gradient norms."""
     def loss_and_reports(p: Any, micro: Mapping[str, jax.Array], k: jax.Array) -> tuple[jax.Array, Any]:
         loss, count, *rest = loss_fn(state, p, micro, k)  # a job's own loss may report nothing
         return loss, (count, rest[0] if rest else {})
@@ -82,8 +102,10 @@ def train_step(state: Any, batch: Batch, key: jax.Array, accumulate_steps: int, 
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
     new_state = state.apply_gradients(grads=grads)
-    meta = {"grad_norm": optax.tree.norm(grads), "tokens": count,
-            **jax.tree.map(lambda r: r / accumulate_steps, reported)}  # the mean over micro-batches
+    reported = jax.tree.map(lambda r: r / accumulate_steps, reported)  # the mean over micro-batches
+    if MODEL_STATE in reported:
+        new_state = new_state.replace(model_state=reported.pop(MODEL_STATE))
+    meta = {"grad_norm": optax.tree.norm(grads), "tokens": count, **reported}
     if layer_norms:
         meta.update(debug.layer_norms(grads, "grad_norm"))
     return new_state, loss_sum / denom, meta
@@ -94,7 +116,7 @@ def val_step(state: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
     of real targets that are the argmax prediction})."""
 
     def one(carry, micro):
-        logits = state.apply_fn({"params": state.params}, micro["x"], deterministic=True, **model_inputs(micro))
+        logits = state.apply_fn(state.variables(), micro["x"], deterministic=True, **model_inputs(micro))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
         mask = micro["mask"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == micro["y"]).astype(jnp.float32) * mask

@@ -43,7 +43,7 @@ from runner.observability import debug, goodput, runcard
 from runner.observability.goodput import Goodput
 from runner.observability.metrics import METRICS_FILE, MetricsLogger, truncate_jsonl
 from runner.observability.throughput import Throughput
-from runner.parallel.mesh import make_mesh, resolve_mesh_shape
+from runner.parallel.mesh import make_mesh, mesh_shape
 from runner.parallel.topology import check_devices, parse_topology
 from runner.spec import ExecutionSpec
 from runner.train import faults, steps
@@ -82,7 +82,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.topology = parse_topology(spec.topology)
         self.devices = list(jax.devices() if devices is None else devices)
         check_devices(self.topology, self.devices)
-        shape = resolve_mesh_shape(spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor, len(self.devices))
+        shape = mesh_shape(spec, len(self.devices))
         self.mesh = make_mesh(shape, self.devices, num_slices=max(self.topology.num_slices or 1, 1))
         self.model_config: C = self.config_from_spec(spec)
         self.model: M = self.build_model(self.model_config)

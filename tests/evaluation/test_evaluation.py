@@ -275,8 +275,8 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward() -> None:
     lengths, ids = jnp.array([3, 5]), jnp.arange(2)
 
     def generator(cache: bool, temperature: float) -> Any:
-        return jax.jit(lambda p, seed: generate_tokens(model.apply, p, prompts, lengths, ids, max_new_tokens=6,
-                                                       vocab=50, temperature=temperature, seed=seed,
+        return jax.jit(lambda p, seed: generate_tokens(model.apply, {"params": p}, prompts, lengths, ids,
+                                                       max_new_tokens=6, vocab=50, temperature=temperature, seed=seed,
                                                        init_cache=model.init_cache if cache else None))
 
     greedy = generator(True, 0.0)

@@ -118,6 +118,39 @@ def test_import_gives_transformers_logits_and_export_round_trips(tmp_path: Path,
     again.close()
 
 
+def assert_greedy_as_transformers(module: Any, params: Any, model: Any) -> None:
+    """32 greedy tokens after each of two prompts of different lengths: runner's (KV cache) are
+    transformers' `generate`'s."""
+    prompt = np.array([[5, 17, 200, 3, 0, 0], [9, 8, 7, 6, 5, 4]], np.int32)
+    lengths = np.array([4, 6], np.int32)
+    ours = np.asarray(generate_tokens(module.apply, {"params": params}, jnp.asarray(prompt), jnp.asarray(lengths),
+                                      jnp.arange(2), max_new_tokens=32, temperature=0.0, seed=0, vocab=320,
+                                      init_cache=module.init_cache))
+    for row in range(2):
+        ids = torch.tensor(prompt[row:row + 1, :lengths[row]])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        np.testing.assert_array_equal(ours[row], out[0, lengths[row]:].numpy())
+
+
+def perturbed_export(spec: Any, tmp_path: Path, scale: float, tokens: np.ndarray) -> tuple[np.ndarray, Any, dict, dict]:
+    """A run of `spec` whose parameters are moved off their initial values by `scale` x noise
+    (norms, biases, routers included), saved and exported: (runner's logits on `tokens`, the
+    export loaded by transformers, its loading info, the export's report)."""
+    job = JOBS.get("lm")(spec)
+    job.load()
+    params = jax.tree.map(lambda p: p + scale * jax.random.normal(jax.random.key(1), p.shape, p.dtype),
+                          job.state.params)
+    job.state = job.state.replace(params=params)
+    job.save()
+    ours = np.asarray(job.model.apply({"params": job.state.params}, jnp.asarray(tokens)))
+    job.close()
+    report = export(spec.run.dir, tmp_path / "out")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    return ours, loaded.eval(), info, report
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_greedy_generation_equals_transformers(tmp_path: Path, name: str) -> None:
     model = hf_model(name, std=0.3)  # large weights: sharp logits, no near-ties to break differently
@@ -132,17 +165,7 @@ def test_greedy_generation_equals_transformers(tmp_path: Path, name: str) -> Non
                   module.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"])[0]}
     params = hf.import_params(family.hf_layout(config), hf.hf_tensor_reader(tmp_path / "hf"), shapes,
                               config.scan_layers, tmp_path / "hf")
-    prompt = np.array([[5, 17, 200, 3, 0, 0], [9, 8, 7, 6, 5, 4]], np.int32)
-    lengths = np.array([4, 6], np.int32)
-    ours = np.asarray(generate_tokens(module.apply, params, jnp.asarray(prompt), jnp.asarray(lengths),
-                                      jnp.arange(2), max_new_tokens=32, temperature=0.0, seed=0, vocab=320,
-                                      init_cache=module.init_cache))
-    for row in range(2):
-        ids = torch.tensor(prompt[row:row + 1, :lengths[row]])
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-        np.testing.assert_array_equal(ours[row], out[0, lengths[row]:].numpy())
+    assert_greedy_as_transformers(module, params, model)
 
 
 @pytest.mark.e2e

@@ -1,8 +1,9 @@
 """Hugging Face import reads every config.json field or refuses it (issue 26), against transformers
 itself (PyTorch on CPU, models built from config classes with random weights, no downloads).
 
-- every field of transformers' Llama, Mistral, Qwen2, Qwen3 and GPT-2 config classes has a rule,
-  and runner's defaults for absent fields are transformers';
+- every field of transformers' Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GPT-2 config
+  classes has a rule, and runner's defaults for absent fields are transformers' (the mixtures of
+  experts' parity: tests/models/test_moe_hf.py);
 - each newly supported field (rope linear and yarn, Llama 3 rope parameters from the file,
   attention and MLP biases, activations, GPT-2's epsilon and activation, Mistral, hub-style
   tensor names and buffers) imports with logit parity within 1e-4, greedy generation equal for 32
@@ -30,7 +31,6 @@ import transformers
 from hydra import compose, initialize_config_dir
 
 from runner.errors import ConfigError, UserError
-from runner.evaluation.generate import generate_tokens
 from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
 from runner.main.export import export
@@ -39,12 +39,14 @@ from runner.spec import register_schema
 from runner.train.job import JOBS, load_job_modules
 from tests.conftest import TINY as TINY_WITH_DIMS
 from tests.conftest import run_runner
+from tests.models.test_hf import assert_greedy_as_transformers, perturbed_export
 
 register_schema()
 load_job_modules()
 TOL = 1e-4
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "gpt2": transformers.GPT2Config}
+           "qwen3": transformers.Qwen3Config, "gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig}
 DECODER = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
 GPT2 = dict(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
@@ -118,10 +120,12 @@ def test_every_field_of_transformers_config_class_has_a_rule(model_type: str) ->
 STRUCTURAL = {
     "llama": {"family", "vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "head_dim", "norm_eps",
               "tie_embeddings", "activation", "qk_norm", "qkv_bias", "out_bias", "mlp_bias", "rope.theta",
-              "rope.scaling", "hf.architecture", "hf.bos_token_id", "hf.eos_token_id"},
+              "rope.scaling", "hf.architecture", "hf.bos_token_id", "hf.eos_token_id", "moe.n_experts"},
     "gpt2": {"family", "vocab_size", "context_length", "d_model", "d_ff", "n_layers", "n_heads", "norm_eps",
              "tie_embeddings", "activation", "use_bias", "hf.architecture", "hf.bos_token_id", "hf.eos_token_id"},
 }
+STRUCTURAL["moe"] = STRUCTURAL["llama"] | {"moe.top_k", "moe.d_ff_expert", "moe.n_shared_experts", "moe.score",
+                                          "moe.normalize_top_k", "moe.first_dense_layers"}
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
@@ -131,12 +135,19 @@ def test_a_near_empty_config_json_still_sets_every_structural_setting(model_type
     spec = spec_for(*TINY, *JOB["llama"])
     module = gpt_hf if model_type == "gpt2" else llama_hf
     settings = module.settings("hf:x", {"model_type": model_type}, spec.job.model)
-    assert STRUCTURAL["gpt2" if model_type == "gpt2" else "llama"] <= set(settings)
+    kind = "gpt2" if model_type == "gpt2" else "moe" if model_type in llama_hf.MOE_TYPES else "llama"
+    assert STRUCTURAL[kind] <= set(settings)
     reference = CONFIGS[model_type]()
     if model_type != "gpt2":
         assert settings["head_dim"] == getattr(reference, "head_dim", None) or \
             reference.hidden_size // reference.num_attention_heads
         assert settings["d_ff"] == reference.intermediate_size and settings["norm_eps"] == reference.rms_norm_eps
+        assert settings["n_kv_heads"] == (reference.num_key_value_heads or reference.num_attention_heads)
+    if kind == "moe":
+        assert (settings["moe.n_experts"], settings["moe.top_k"]) == (reference.num_experts,
+                                                                      reference.num_experts_per_tok)
+        assert settings["moe.d_ff_expert"] == getattr(reference, "moe_intermediate_size", reference.intermediate_size)
+        assert settings["moe.normalize_top_k"] == getattr(reference, "norm_topk_prob", True)
 
 
 # --------------------------------------------------------------------------------------------- supported, with parity
@@ -191,16 +202,7 @@ def test_supported_field_imports_with_parity_and_exports_as_it_came(tmp_path: Pa
     theirs = hf_logits(model, TOKENS)
     assert np.abs(ours - theirs).max() < TOL * max(1.0, float(np.abs(theirs).max()) / 10)
 
-    prompt = np.array([[5, 17, 200, 3, 0, 0], [9, 8, 7, 6, 5, 4]], np.int32)
-    lengths = np.array([4, 6], np.int32)
-    greedy = np.asarray(generate_tokens(module.apply, params, jnp.asarray(prompt), jnp.asarray(lengths), jnp.arange(2),
-                                        max_new_tokens=32, temperature=0.0, seed=0, vocab=320,
-                                        init_cache=module.init_cache))
-    for row in range(2):
-        with torch.no_grad():
-            out = model.generate(torch.tensor(prompt[row:row + 1, :lengths[row]]), max_new_tokens=32,
-                                 min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-        np.testing.assert_array_equal(greedy[row], out[0, lengths[row]:].numpy())
+    assert_greedy_as_transformers(module, params, model)
 
     # a run's checkpoint of these parameters exports as the same architecture, same fields
     job = JOBS.get("lm")(spec)
@@ -414,16 +416,7 @@ EXPORTED_WITH_ZERO_BIASES = {
 def test_models_without_a_bias_their_architecture_has_export_with_zeros(tmp_path: Path, name: str) -> None:
     overrides, architecture = EXPORTED_WITH_ZERO_BIASES[name]
     spec = spec_for(*TINY, *overrides, f"run.dir={tmp_path / 'run'}")
-    job = JOBS.get("lm")(spec)
-    job.load()
-    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape, p.dtype),
-                          job.state.params)  # biases and norms off their initial values
-    job.state = job.state.replace(params=params)
-    job.save()
-    ours = np.asarray(job.model.apply({"params": job.state.params}, jnp.asarray(TOKENS)))
-    job.close()
-    report = export(tmp_path / "run", tmp_path / "out")
-    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    ours, loaded, info, report = perturbed_export(spec, tmp_path, 0.05, TOKENS)  # biases and norms moved
     assert report["architecture"] == type(loaded).__name__ == architecture
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert np.abs(hf_logits(loaded.eval(), TOKENS) - ours).max() < TOL
