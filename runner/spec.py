@@ -140,6 +140,8 @@ class ModelSpec(_Frozen):
     compute_dtype: str = "float32"  # float32 | bfloat16: activations and matmuls
     param_dtype: str = "float32"  # float32 | bfloat16: the stored parameters (and their gradients)
     attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
+    # with mesh.context > 1, attention across the split rows: auto | allgather | ring (runner.models.context)
+    context_parallel: str = "auto"
     remat: str = "none"  # none | full | dots
     use_bias: bool = True
     scan_layers: bool = True
@@ -168,6 +170,7 @@ class ModelSpec(_Frozen):
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
             ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("none", "full", "dots")),
+            ("context_parallel", ("auto", "allgather", "ring")),
             ("activation", ("", *ACTIVATIONS))))
         self.rope.check(spec)
         self.moe.check(spec)
@@ -195,12 +198,14 @@ class MeshSpec(_Frozen):
     data: int = -1
     fsdp: int = 1
     expert: int = 1  # shards a mixture of experts' experts (job.model.moe); elsewhere it splits the batch
+    context: int = 1  # splits every row's sequence (long context: job.model.context_parallel)
     tensor: int = 1
 
     def check(self, spec: ExecutionSpec) -> None:
         _check_rules("mesh", self, tuple(
             (axis, lambda v: v != 0 and v >= -1, "mesh sizes are positive, or -1 for 'the rest'.",
-             f"set mesh.{axis} to a positive size or -1.") for axis in ("data", "fsdp", "expert", "tensor")))
+             f"set mesh.{axis} to a positive size or -1.") for axis in ("data", "fsdp", "expert", "context",
+                                                                       "tensor")))
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,7 @@ def test_every_optimizer_on_every_job_resolves_to_its_intended_learning_rate() -
         adamw = float(yaml.safe_load((CONF_DIR / "job" / f"{job}.yaml").read_text())["job"]["lr"]["adamw"])
         intended = {"adamw": adamw, "adafactor": adamw, "lion": adamw / 10, **GROUP_LR}
         for name in OPTIMIZERS.names():
-            spec = spec_for(f"job={job}", f"optimizer={name}", "topology=cpu-1")
+            spec = spec_for(f"job={job}", f"optimizer={name}", "topology=cpu-1", "mesh.expert=1")
             assert spec.optimizer.lr == pytest.approx(intended[name]), (job, name)
-        assert spec_for(f"job={job}", "optimizer=lion", "optimizer.lr=0.25", "topology=cpu-1").optimizer.lr == 0.25
+        assert spec_for(f"job={job}", "optimizer=lion", "optimizer.lr=0.25", "topology=cpu-1",
+                        "mesh.expert=1").optimizer.lr == 0.25

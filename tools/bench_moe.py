@@ -35,12 +35,13 @@ CONFIGS = {
 }
 
 
-def build(name: str, overrides: list[str], where: Path) -> tuple[StepOnly, dict[str, Any]]:
+def build(name: str, overrides: list[str], where: Path,
+          configs: dict[str, list[str]] = CONFIGS) -> tuple[StepOnly, dict[str, Any]]:
     """The job's compiled step on a fresh state, and what a token costs."""
     from runner.models import family_for
     from runner.train.job import JOBS
 
-    spec = compose([*CONFIGS[name], *overrides, f"run.dir={where / name}", "logging.wandb=disabled"])
+    spec = compose([*configs[name], *overrides, f"run.dir={where / name}", "logging.wandb=disabled"])
     job = JOBS.get(spec.job.trainer)(spec)
     job.state = job.program.init_state()
     family = family_for(spec)
@@ -51,24 +52,26 @@ def build(name: str, overrides: list[str], where: Path) -> tuple[StepOnly, dict[
     return StepOnly(job), info
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def compare(configs: dict[str, list[str]], argv: list[str] | None, bench: str, description: str) -> int:
+    """Build every configuration, time each one's step in interleaved rounds, print the record
+    (one JSON line) and a table of tokens/s, the ratio to the first configuration and MFU."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every configuration")
     parser.add_argument("--steps", type=int, default=10, help="steps per configuration per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
+    parser.add_argument("--only", default=",".join(configs), help="comma-separated configurations")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     names = args.only.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        built = {name: build(name, args.overrides, Path(tmp)) for name in names}
+        built = {name: build(name, args.overrides, Path(tmp), configs) for name in names}
         peak = matmul_peak()
         rates: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(args.rounds):
             for name in names:
                 step, info = built[name]
                 rates[name].append(info["tokens_per_step"] / step.run(args.steps))
-    record: dict[str, Any] = {"bench": "moe", "overrides": args.overrides, "steps": args.steps, "rounds": args.rounds,
+    record: dict[str, Any] = {"bench": bench, "overrides": args.overrides, "steps": args.steps, "rounds": args.rounds,
                               "peak_flops_per_s": peak, "configs": {}}
     for name in names:
         info = built[name][1]
@@ -82,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "a") as f:
             f.write(line + "\n")
-    print(f"{'config':<14} {'params':>10} {'active':>10} {'tok/s':>9} {'ratio':>6} {'MFU':>6}")
+    print(f"{'config':<14} {'params':>12} {'active':>12} {'tok/s':>9} {'ratio':>6} {'MFU':>6}")
     for name, c in record["configs"].items():
-        print(f"{name:<14} {c['parameters']:>10,} {c['active_parameters']:>10,} {c['tokens_per_s']:>9,.0f} "
+        print(f"{name:<14} {c['parameters']:>12,} {c['active_parameters']:>12,} {c['tokens_per_s']:>9,.0f} "
               f"{c[f'ratio_to_{names[0]}']:>6.2f} {100 * c['mfu']:>5.1f}%")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return compare(CONFIGS, argv, "moe", __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from runner.errors import ConfigError
+from runner.models import context
 from runner.registry import Registry
 
 # (q (B, T, N, H), k and v (B, T, K, H), segment_ids (B, T) or None, logical axes) -> (B, T, N, H)
@@ -101,7 +102,7 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optiona
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq_len, heads, head_dim)
 
 
-def _fit(names: tuple[str, ...], shape: tuple[int, ...], mesh: Any) -> jax.sharding.PartitionSpec:
+def fit_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Any) -> jax.sharding.PartitionSpec:
     """The mesh axes the logical `names` map to, dropping any that do not divide the dimension (a
     one-row batch at initialisation stays whole)."""
     spec = nn.logical_to_mesh_axes(names)
@@ -127,7 +128,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opti
     if mesh.empty or mesh.size == 1:
         return _splash_local(q, k, v, segment_ids, interpret)
     P = jax.sharding.PartitionSpec
-    q_spec, kv_spec = _fit(Q_AXES, q.shape, mesh), _fit(kv_axes, k.shape, mesh)
+    q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
     if kv_spec[2] != q_spec[2]:
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
@@ -188,8 +189,11 @@ def check(name: str, platform: str, compute_dtype: str, seq_len: int) -> str:
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-           kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
-    """Causal attention by implementation `impl` (`auto` resolved for the running backend)."""
+           kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto") -> jax.Array:
+    """Causal attention by implementation `impl` (`auto` resolved for the running backend); rows
+    split over a context axis (runner.models.context, in its order) by `context_parallel`."""
+    if context.active(q.shape[1]):
+        return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes)
     if impl == "auto":  # a config that did not go through `check`: the default backend decides
         impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
                        q.shape[1])

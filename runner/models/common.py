@@ -75,7 +75,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("vocab", "tensor"),
     ("kv", None),
-    ("length", None),
+    ("length", "context"),
     ("layers", None),
 )
 

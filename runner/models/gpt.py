@@ -24,6 +24,7 @@ from runner.models.attention import attend
 from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLICIES, Decoder, Dtypes, KVCache,
     activation, attend_cached, dense, embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks,
     zeros_init)
+from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 
 
@@ -42,6 +43,7 @@ class GPTConfig(Dtypes):
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
     attention: str = "auto"  # runner.models.attention
+    context_parallel: str = "auto"  # runner.models.context
     remat: str = "none"
     use_bias: bool = True
     scan_layers: bool = True
@@ -98,7 +100,7 @@ class CausalSelfAttention(nn.Module):
         cfg = self.cfg
         q, k, v = (project_heads(cfg, x, cfg.n_heads, "heads", cfg.use_bias, n) for n in ("query", "key", "value"))
         if cache is None:
-            y = attend(cfg.attention, q, k, v, segment_ids)  # (B, T, N, H)
+            y = attend(cfg.attention, q, k, v, segment_ids, context_parallel=cfg.context_parallel)  # (B,T,N,H)
         else:
             y, cache = attend_cached(q, k, v, cache, index)
         y = merge_heads(cfg, y, cfg.use_bias)
@@ -164,8 +166,11 @@ class GPT(Decoder):
 
         # One compiled block when scanned: each layer's slice of the cache is scanned in, the
         # updated slices stacked back.
+        if caches is None:  # rows split over a context axis: in its order through the layers
+            x, segment_ids = to_context_order(x, segment_ids)
         x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (segment_ids,), caches, index,
                                     rngs=("params", "dropout"))
+        x = from_context_order(x) if caches is None else x
         return _layer_norm(cfg, "ln_f")(x), wte, new_cache
 
 

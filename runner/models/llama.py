@@ -27,21 +27,9 @@ from flax import linen as nn
 from runner.errors import ConfigError
 from runner.models import llama_hf
 from runner.models.attention import attend
-from runner.models.common import (
-    LOGICAL_AXIS_RULES,
-    Decoder,
-    Dtypes,
-    KVCache,
-    activation,
-    attend_cached,
-    dense,
-    embedding,
-    merge_heads,
-    ones_init,
-    project_heads,
-    residual_std,
-    stack_blocks,
-)
+from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
+    embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks)
+from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
 
@@ -77,6 +65,7 @@ class LlamaConfig(Dtypes):
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
     attention: str = "auto"  # runner.models.attention
+    context_parallel: str = "auto"  # runner.models.context
     remat: str = "none"
     scan_layers: bool = True
     moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
@@ -207,7 +196,8 @@ class Attention(nn.Module):
         inv_freq, scale = rope_frequencies(cfg), rope_attention_scale(cfg)
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is None:
-            y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"))
+            y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"),
+                       context_parallel=cfg.context_parallel)
         else:  # positions are index + t when decoding (Llama.hidden)
             y, cache = attend_cached(q, k, v, cache, index)
         return merge_heads(cfg, y, cfg.out_bias), cache
@@ -267,7 +257,10 @@ class Llama(Decoder):
             start = jnp.zeros((batch,), jnp.int32) if caches is None else jnp.asarray(index, jnp.int32)
             positions = start[:, None] + jnp.arange(seq_len)[None]
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
+        if caches is None:  # rows split over a context axis: in its order through the layers
+            x, positions, segment_ids = to_context_order(x, positions, segment_ids)
         x, new_cache = self.layers(x, (positions, segment_ids), caches, index)
+        x = from_context_order(x) if caches is None else x
         return RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x), embed, new_cache
 
 

@@ -300,7 +300,7 @@ def sharded_experts(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax
     P = jax.sharding.PartitionSpec
     batch_axes = nn.logical_to_mesh_axes(("batch",))[0]
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-    rows = P(_fitted(batch_axes, x.shape[0], mesh), None, None)
+    rows = P(_fitted(batch_axes, x.shape[0], mesh), _fitted(("context",), x.shape[1], mesh), None)
     ways = mesh.shape.get("expert", 1)
     tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and w_gate.shape[2] % mesh.shape["tensor"] == 0 else None
     expert = "expert" if ways > 1 else None

@@ -318,19 +318,33 @@ def _flops(compiled: Any) -> float | None:
 
 def _advice(spec: Any, mesh: dict[str, int]) -> str:
     """The ways to fit a step that does not, leaving out each one already in force: fewer rows per
-    device (while a device has more than one), the state sharded over the devices the data axis
-    holds, full rematerialisation, a larger slice."""
+    device (while a device has more than one; at one, the row split over more devices by context
+    parallelism), the state sharded over the devices the data axis holds, full
+    rematerialisation, a larger slice."""
     t = spec.train
     rows = t.batch_size // t.accumulate_steps // (mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1))
     ways = []
     if rows > 1:
         ways.append(f"raise train.accumulate_steps or lower train.batch_size ({rows} rows per device now)")
+    else:  # the sequence itself is what does not fit
+        ways.append(f"split each row over more devices with mesh.context (context parallelism; mesh.context="
+                    f"{mesh.get('context', 1)} now)")
     if mesh.get("data", 1) > 1:
         ways.append(f"shard the state over the data axis's devices with mesh.fsdp (mesh.data={mesh['data']} now)")
     if spec.job.model.remat != "full":
         ways.append(f"use job.model.remat=full ({spec.job.model.remat} now)")
     ways.append("pick a larger slice")
     return ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1]
+
+
+def _attention(job: Any) -> str:
+    """The attention the step runs: the implementation, and how rows split over a context axis
+    are attended across it."""
+    impl, ways = str(getattr(job, "attention", "xla")), int(dict(job.mesh.shape).get("context", 1))
+    if ways == 1:
+        return impl
+    kind = getattr(job.model_config, "context_parallel", "auto")
+    return f"{impl} blocks, rows split over mesh.context={ways} ({'allgather' if kind == 'auto' else kind})"
 
 
 def _model_notes(job: Any) -> str:
@@ -370,7 +384,7 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
         sharded_argument_bytes=_sharded_bytes((abstract, batch)),
         analytic_flops=_analytic_flops(job),
         peak_flops_per_device=None if topology.chip is None else topology.chip.peak_bf16_flops_per_device,
-        attention=str(getattr(job, "attention", "xla")), param_dtype=spec.job.model.param_dtype,
+        attention=_attention(job), param_dtype=spec.job.model.param_dtype,
         model_notes=_model_notes(job), advice=_advice(spec, dict(job.mesh.shape)),
         optimizer_state_dtype=spec.optimizer.state_dtype,
     )

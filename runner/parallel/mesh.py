@@ -1,10 +1,11 @@
-"""The device mesh: four named axes, sized from config, laid out for the interconnect.
+"""The device mesh: five named axes, sized from config, laid out for the interconnect.
 
 ``data`` is plain data parallelism (it is the axis split across slices, since only gradient
 all-reduces should cross the slow data-centre network), ``fsdp`` shards parameters and
 optimizer state as well as the batch, ``expert`` shards a mixture of experts' expert weights
 (tokens travel to their experts and back, runner.models.moe) and splits the batch elsewhere,
-and ``tensor`` shards within layers.
+``context`` splits every row's sequence (runner.models.context), and ``tensor`` shards within
+layers.
 
 Meshes use ``AxisType.Auto`` on every axis. ``jax.make_mesh`` (since JAX 0.10) defaults to
 ``Explicit`` axes, which changes tracing semantics (shardings become part of array types and
@@ -28,16 +29,17 @@ from jax.sharding import PartitionSpec as P
 from runner.errors import ConfigError, UserError
 from runner.parallel.topology import parse_topology
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over all three
 
 
-def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int, expert: int = 1) -> dict[str, int]:
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int, expert: int = 1,
+                       context: int = 1) -> dict[str, int]:
     """Fills in at most one ``-1`` axis and checks the sizes multiply to the device count."""
-    shape = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    shape = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
     fix_all = (
         f"give sizes whose product is {num_devices} (the device count), or set one axis to -1 to"
-        f" take the remaining devices, e.g. mesh.data=-1 mesh.fsdp=1 mesh.expert=1 mesh.tensor=1."
+        f" take the remaining devices, e.g. mesh.data=-1 mesh.fsdp=1 mesh.expert=1 mesh.context=1 mesh.tensor=1."
     )
     for axis, size in shape.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
@@ -85,12 +87,13 @@ def _slices(devices: Sequence[Any], num_slices: int) -> list[list[Any]]:
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_slices: int = 1) -> Mesh:
-    """Builds a topology-aware ``Mesh`` over ``MESH_AXES`` (``expert`` is 1 when `shape` leaves it
-    out); with slices, ``data`` spans them."""
-    shape = {"expert": 1, **shape}
+    """Builds a topology-aware ``Mesh`` over ``MESH_AXES`` (``expert`` and ``context`` are 1 when
+    `shape` leaves them out); with slices, ``data`` spans them."""
+    shape = {"expert": 1, "context": 1, **shape}
     if set(shape) != set(MESH_AXES):
         raise ConfigError("mesh", shape, f"the mesh needs exactly the axes {MESH_AXES}.",
-                          "give mesh.data, mesh.fsdp, mesh.expert and mesh.tensor (use resolve_mesh_shape).")
+                          "give mesh.data, mesh.fsdp, mesh.expert, mesh.context and mesh.tensor "
+                          "(use resolve_mesh_shape).")
     devices = list(jax.devices() if devices is None else devices)
     sizes = tuple(int(shape[a]) for a in MESH_AXES)
     if math.prod(sizes) != len(devices):
@@ -104,7 +107,7 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_s
             "mesh", shape,
             f"with {num_slices} slices the data axis is split across them, so mesh.data must be a"
             " multiple of the slice count.",
-            f"set mesh.data to a multiple of {num_slices} (fsdp, expert and tensor stay inside a slice).",
+            f"set mesh.data to a multiple of {num_slices} (fsdp, expert, context and tensor stay inside a slice).",
         )
     ici = (shape["data"] // num_slices, *(shape[a] for a in MESH_AXES[1:]))
     dcn = (num_slices, *(1 for _ in MESH_AXES[1:]))
@@ -118,7 +121,7 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_s
         grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
     else:
         # No slice_index (CPU/GPU): build each group's mesh and stack them along `data`,
-        # which is what create_hybrid_device_mesh does for a (num_slices, 1, 1, 1) DCN shape.
+        # which is what create_hybrid_device_mesh does for a (num_slices, 1, 1, 1, 1) DCN shape.
         groups = _slices(devices, num_slices)
         grid = np.concatenate([mesh_utils.create_device_mesh(ici, g) for g in groups], axis=0)
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
@@ -137,14 +140,30 @@ def microbatch_sharding(mesh: Mesh) -> NamedSharding:
 def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
     """The mesh section's sizes for `num_devices` devices (-1 filled in)."""
     m = spec.mesh
-    return resolve_mesh_shape(m.data, m.fsdp, m.tensor, num_devices, expert=m.expert)
+    return resolve_mesh_shape(m.data, m.fsdp, m.tensor, num_devices, expert=m.expert, context=m.context)
+
+
+def check_context(spec: Any, context: int) -> None:
+    """A context axis of `context` shards: rows cut into 2 x that many equal chunks (the zig-zag
+    layout, runner.models.context), and attention by XLA blocks (no fused kernel takes the layout)."""
+    if context <= 1:
+        return
+    if spec.train.seq_len % (2 * context):
+        raise ConfigError("train.seq_len", spec.train.seq_len, f"with mesh.context={context} every row is cut into "
+                          f"{2 * context} equal chunks (two per shard, for equal causal work).",
+                          f"use a multiple of {2 * context}, or another mesh.context.")
+    if spec.job.model.attention not in ("auto", "xla"):
+        raise ConfigError("job.model.attention", spec.job.model.attention, "under context parallelism (mesh.context="
+                          f"{context}) attention runs as XLA blocks across the shards (job.model.context_parallel); "
+                          "no fused kernel takes the split rows yet.", "use job.model.attention=auto or xla.")
 
 
 def check_spec(spec: Any) -> None:
     """The mesh against the topology: every micro-batch (and eval batch) splits evenly over the
-    data x fsdp x expert ways of the mesh the topology gives, and the expert axis divides the
-    experts."""
+    data x fsdp x expert ways of the mesh the topology gives, the expert axis divides the
+    experts, and the context axis fits the rows (`check_context`)."""
     topology = parse_topology(spec.topology)
+    check_context(spec, spec.mesh.context)
     experts = spec.job.model.moe.n_experts
     if experts and spec.mesh.expert > 1 and experts % spec.mesh.expert:
         raise ConfigError("mesh.expert", spec.mesh.expert, f"each of its shards holds an equal share of the "
@@ -158,6 +177,7 @@ def check_spec(spec: Any) -> None:
         raise ConfigError("mesh.expert", shape["expert"], f"on topology {spec.topology} the expert axis takes "
                           f"{shape['expert']} devices, which does not divide the {experts} experts.",
                           "size the other mesh axes so the expert axis divides job.model.moe.n_experts.")
+    check_context(spec, shape["context"])
     batch_ways = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = t.batch_size // t.accumulate_steps
     if micro % batch_ways:

@@ -37,8 +37,9 @@ def guard_update(spec: GuardSpec, old: Any, new: Any, loss: jax.Array,
     guard = {"loss_ema": jnp.where(ok, new_ema, ema).astype(jnp.float32),
              "count": jnp.where(ok, count + 1, count)}
     keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+    kept = {"model_state": keep(new.model_state, old.model_state)} if getattr(new, "model_state", None) else {}
     state = new.replace(params=keep(new.params, old.params), opt_state=keep(new.opt_state, old.opt_state),
-                        model_state=keep(new.model_state, old.model_state), guard=guard)
+                        guard=guard, **kept)
     return state, {"skipped": (~ok).astype(jnp.float32), "nonfinite": (~finite).astype(jnp.float32),
                    "spike": spike.astype(jnp.float32)}
 

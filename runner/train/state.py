@@ -83,7 +83,7 @@ def state_tree(state: TrainState) -> dict[str, Any]:
     """What a checkpoint holds of a state (the functions and the optimizer are rebuilt)."""
     tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng,
             "guard": state.guard}
-    if state.model_state:  # absent for a model without one: its checkpoints stay as they were
+    if getattr(state, "model_state", None):  # absent for a model without one: its checkpoints stay as they were
         tree["model_state"] = state.model_state
     return tree
 

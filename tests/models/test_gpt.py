@@ -255,14 +255,16 @@ _MESH_SCRIPT = textwrap.dedent(
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from runner.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig
+    from runner.parallel.mesh import make_mesh
 
     assert jax.device_count() == 4, jax.devices()
     cfg = GPTConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, tie_embeddings=False)
     model = GPT(cfg)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 8), dtype=np.int32)
-    # make_mesh defaults to Explicit axes (jax >= 0.10); linen's logical
-    # constraints are with_sharding_constraint hints, which need Auto axes.
-    mesh = jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    # runner's mesh: every axis the rules name (expert and context of size 1), all Auto (linen's
+    # logical constraints are with_sharding_constraint hints, which need Auto axes)
+    mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2})
+    assert set(mesh.axis_types) == {AxisType.Auto}
 
     abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, LOGICAL_AXIS_RULES)
@@ -275,7 +277,7 @@ _MESH_SCRIPT = textwrap.dedent(
 
     apply = jax.jit(model.apply)
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        batch = jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp"))))
+        batch = jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
         assert "sharding_constraint" in apply.lower(variables, batch).as_text()
         sharded = apply(variables, batch)
     assert sharded.shape == (4, 8, cfg.vocab_size) and sharded.dtype == jnp.float32

@@ -308,6 +308,14 @@ def test_an_moe_run_resumes_bit_exact_after_sigkill_and_a_mesh_gives_the_same_nu
     assert again.returncode == 0 and "resumed from step 2 " in again.stdout, again.stderr[-3000:]
     for a, b in zip(params_of(tmp_path / "killed", 6), params_of(tmp_path / "whole", 6), strict=True):
         np.testing.assert_array_equal(a, b)  # bitwise: routing included
+    mid_save = run_runner([*run, "run.dir=mid_save"], tmp_path, RUNNER_FAULT="kill_after_save:4")
+    assert mid_save.returncode == -signal.SIGKILL, mid_save.stderr[-3000:]
+    again = run_runner([*run, "run.dir=mid_save"], tmp_path)  # from step 4 if its save committed, else step 2
+    assert again.returncode == 0 and "resumed from step " in again.stdout, again.stderr[-3000:]
+    for a, b in zip(params_of(tmp_path / "mid_save", 6), params_of(tmp_path / "whole", 6), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(state_of(tmp_path / "mid_save", 6), state_of(tmp_path / "whole", 6), strict=True):
+        np.testing.assert_array_equal(a, b)
     bias = state_of(tmp_path / "whole", 6)
     assert [b.shape for b in bias] == [(4,), (4,)] and np.abs(bias[0]).max() > 0  # per layer and expert, moved
     for a, b in zip(state_of(tmp_path / "killed", 6), bias, strict=True):

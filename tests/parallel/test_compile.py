@@ -48,7 +48,7 @@ def test_v4_32_small_model_fits_and_reports_per_device_memory(tmp_path: Path) ->
         assert row in proc.stdout, row
     report = _summary(proc.stdout)
     assert (report["devices"], report["device_kind"], report["mesh"]) == (
-        16, "TPU v4", {"data": 16, "fsdp": 1, "expert": 1, "tensor": 1})
+        16, "TPU v4", {"data": 16, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})
     assert report["fits"] is True and report["limit_bytes"] == CHIPS["v4"].hbm_bytes
     memory = report["memory"]
     # The state is replicated over data=16: every device holds params plus AdamW's two moments.
@@ -161,9 +161,11 @@ def test_the_advice_leaves_out_what_is_already_in_force() -> None:
     from runner.spec import ExecutionSpec, ModelSpec, TrainSpec
 
     spec = ExecutionSpec()
-    loose = _advice(spec, {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
+    loose = _advice(spec, {"data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})
     assert "accumulate_steps" in loose and "mesh.fsdp" in loose and "remat=full (none now)" in loose
     assert loose.endswith(", or pick a larger slice")
     tight = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(remat="full")),
                                 train=TrainSpec(batch_size=8, accumulate_steps=1))
-    assert _advice(tight, {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}) == "pick a larger slice"
+    assert _advice(tight, {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}) == \
+        "split each row over more devices with mesh.context (context parallelism; mesh.context=1 now), " \
+        "or pick a larger slice"

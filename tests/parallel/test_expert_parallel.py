@@ -4,21 +4,20 @@ one-device model's logits, gradients and losses, dropless (ragged all-to-all) an
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from runner.errors import ConfigError
-from tests.conftest import ROOT, TINY, read_metrics, run_runner, runner_env
+from tests.conftest import TINY, read_metrics, run_runner
+from tests.parallel.equivalence import assert_same_losses, run_script
 
 EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, flax.linen as nn
 from tests.models.test_moe import moe_config
 from runner.parallel.mesh import make_mesh
 from runner.models.llama import Llama, LlamaFamily
+from tests.parallel.equivalence import logits_and_grads, relative_error
 
 tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 16), 0, 64)
 segment_ids = jnp.array([[1] * 6 + [2] * 10, [1] * 12 + [0] * 4, [1] * 16, [1] * 3 + [2] * 3 + [3] * 10])
@@ -27,24 +26,20 @@ base = moe_config(n_shared_experts=1)
 params = nn.unbox(Llama(base).init(jax.random.PRNGKey(0), tokens)["params"])
 
 def run(cfg):
-    def loss(p):
-        logits = Llama(cfg).apply({"params": p}, tokens, segment_ids=segment_ids, positions=positions)
-        return jnp.sum(jnp.sin(logits)), logits
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    return step(params), step.lower(params).as_text()
+    return logits_and_grads(Llama(cfg), params, tokens, segment_ids, positions)
 
 (want, _) = run(dataclasses.replace(base, moe_dispatch="dense"))
 out = {}
 for shape in ({"data": 2, "fsdp": 1, "expert": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1},
-              {"data": 1, "fsdp": 2, "expert": 1, "tensor": 2}, {"data": 1, "fsdp": 1, "expert": 2, "tensor": 2}):
+              {"data": 1, "fsdp": 2, "expert": 1, "tensor": 2}, {"data": 1, "fsdp": 1, "expert": 2, "tensor": 2},
+              {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "expert": 2, "context": 2,
+                                                                "tensor": 1}):
     for dispatch, extra in (("ragged", {}), ("capacity", {"moe_capacity_factor": 8.0})):
         cfg = dataclasses.replace(base, moe_dispatch=dispatch, **extra)
         with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(LlamaFamily.axis_rules(cfg, shape)):
             got, text = run(cfg)
         name = "/".join(f"{k}{v}" for k, v in shape.items() if v > 1) + "/" + dispatch
-        scale = [float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(want)]
-        out[name] = {"error": max(float(jnp.max(jnp.abs(a - b))) / max(s, 1.0)
-                                  for a, b, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), scale)),
+        out[name] = {"error": relative_error(got, want),
                      "all_to_all": "all_to_all" in text or "all-to-all" in text}
 print(json.dumps(out))
 """
@@ -52,13 +47,11 @@ print(json.dumps(out))
 
 @pytest.mark.e2e
 def test_expert_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
-    """(data 2, expert 2), (expert 4), (fsdp 2, tensor 2), (expert 2, tensor 2) against the dense
-    reference on one device: forward and every gradient, the router's included."""
-    proc = subprocess.run([sys.executable, "-c", EQUIVALENCE], cwd=ROOT, env=runner_env(tmp_path, devices=4),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(out) == 8
+    """(data 2, expert 2), (expert 4), (fsdp 2, tensor 2), (expert 2, tensor 2), (fsdp 2, expert 2),
+    (expert 2, context 2: rows split as well) against the dense reference on one device: forward
+    and every gradient, the router's included."""
+    out = run_script(EQUIVALENCE, tmp_path)
+    assert len(out) == 12
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         assert result["all_to_all"] == ("expert" in name), (name, result)  # tokens travel only over the expert axis
@@ -82,12 +75,7 @@ def test_expert_meshes_train_the_one_device_loss_curve_and_resume_onto_another_e
     want = losses(tmp_path / "one")
     assert sorted(want) == list(range(1, 21)) and want[20] < want[1]
     for name, mesh in (("de", ["mesh.data=2", "mesh.expert=2"]), ("e", ["mesh.data=1", "mesh.expert=4"])):
-        proc = run_runner([*RUN, f"run.dir={name}", *mesh], tmp_path, devices=4)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        got = losses(tmp_path / name)
-        assert got.keys() == want.keys()
-        for step in want:
-            assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)
+        assert_same_losses(RUN, tmp_path, name, mesh, want)
 
     killed = run_runner([*RUN, "run.dir=moved", "mesh.data=2", "mesh.expert=2"], tmp_path, devices=4,
                         RUNNER_FAULT="kill_at_step:12")

@@ -20,11 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("args, expected", [
-    ((-1, 1, 1, 8), {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}),
-    ((1, -1, 2, 8), {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}),
-    ((2, 2, -1, 8), {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}),
-    ((2, 2, 2, 8), {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}),
-    ((1, 1, 1, 1), {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}),
+    ((-1, 1, 1, 8), {"data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}),
+    ((1, -1, 2, 8), {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}),
+    ((2, 2, -1, 8), {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}),
+    ((2, 2, 2, 8), {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}),
+    ((1, 1, 1, 1), {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}),
 ])
 def test_resolve_mesh_shape(args, expected):
     assert resolve_mesh_shape(*args) == expected
@@ -49,13 +49,13 @@ def test_resolve_mesh_shape_errors(args, words):
 def test_make_mesh_rejects_bad_shapes_before_touching_devices():
     fake = [SimpleNamespace(id=i, slice_index=0, process_index=0) for i in range(4)]
     with pytest.raises(ConfigError, match="multiply to 8 but there are 4 devices"):
-        make_mesh({"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}, fake)
+        make_mesh({"data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, fake)
     with pytest.raises(ConfigError, match="exactly the axes"):
         make_mesh({"data": 4, "model": 1}, fake)
     with pytest.raises(ConfigError, match="multiple of the slice count"):
-        make_mesh({"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}, fake, num_slices=2)
+        make_mesh({"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}, fake, num_slices=2)
     with pytest.raises(UserError, match="asks for 2 slices but the devices span 1"):
-        make_mesh({"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}, fake, num_slices=2)
+        make_mesh({"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1}, fake, num_slices=2)
 
 
 _SCRIPT = textwrap.dedent("""
@@ -70,7 +70,7 @@ _SCRIPT = textwrap.dedent("""
     mb = jax.device_put(jnp.zeros((3, 8, 5)), microbatch_sharding(mesh))
     y = jax.jit(lambda a: a * 2, in_shardings=batch_sharding(mesh),
                 out_shardings=batch_sharding(mesh))(x)
-    multi = make_mesh({"data": 4, "fsdp": 1, "expert": 1, "tensor": 1}, num_slices=2)
+    multi = make_mesh({"data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, num_slices=2)
     print(json.dumps({
         "n": len(devices), "shape": shape, "mesh": dict(mesh.shape),
         "axis_types": [t.name for t in mesh.axis_types + multi.axis_types],
@@ -92,10 +92,10 @@ def test_mesh_on_four_simulated_cpu_devices():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["n"] == 4
-    assert out["shape"] == out["mesh"] == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}
-    assert out["axis_types"] == ["Auto"] * 8  # both meshes, every axis
+    assert out["shape"] == out["mesh"] == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1}
+    assert out["axis_types"] == ["Auto"] * 10  # both meshes, every axis
     assert out["shards"] == [[2, 16]] * 4
     assert out["mb_shards"] == [[3, 2, 5]]
     assert out["y_shards"] == 4
-    assert out["multi"] == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert out["multi"] == {"data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     assert sorted(out["multi_ids"]) == [0, 1, 2, 3]

@@ -1,0 +1,154 @@
+"""Context parallelism: every row's sequence split over the mesh's "context" axis, and attention
+across the split (`job.model.context_parallel`).
+
+    allgather  each shard gathers every shard's keys and values and attends for its own queries
+               (Llama 3's choice): one all-gather of K/V per layer, then the blocks one at a time.
+    ring       the key/value blocks travel around the ring of shards (`ppermute`), each shard
+               folding one block at a time into an online softmax: no shard ever holds the whole
+               row's keys, and the next block's transfer is issued before this block's compute.
+    auto       allgather (the one whose memory is known per layer; ring for rows too long for it).
+
+Layout. A causal row has more work at its end than at its start, so the row is not cut into C
+contiguous pieces: it is cut into 2C chunks, and shard i holds chunks i and 2C-1-i (the zig-zag
+order), which gives every shard the same causal work. The family's decoder puts the row into
+this order after the embedding and back before the output head (`to_context_order`,
+`from_context_order`), so the head, the loss and the positions are the ordinary ones. Attention
+masks by each token's place in the original row and its document (segment id): a document that
+spans two shards attends within itself only, whatever the order.
+
+The blocks are computed by XLA einsums (float32 softmax): no fused kernel takes a zig-zag mask
+yet, so `job.model.attention` must be xla or auto under context parallelism (runner.models.check_spec).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CONTEXT_PARALLEL = ("auto", "allgather", "ring")
+AXIS = "context"
+
+
+def context_ways() -> int:
+    """The size of the current mesh's context axis (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else int(dict(mesh.shape).get(AXIS, 1))
+
+
+def active(seq_len: int) -> bool:
+    """Whether a row of `seq_len` tokens runs context-parallel here: a context axis of 2 or more,
+    and 2 x that many equal chunks (shorter or odd rows, an evaluator's or a prompt's, run whole)."""
+    ways = context_ways()
+    return ways > 1 and seq_len % (2 * ways) == 0
+
+
+@functools.lru_cache(maxsize=64)
+def zigzag_order(seq_len: int, ways: int) -> np.ndarray:
+    """The original index of each position in context order: shard i's half of the row is chunk
+    i then chunk 2*ways-1-i of 2*ways equal chunks."""
+    chunks = np.arange(seq_len).reshape(2 * ways, seq_len // (2 * ways))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
+
+
+def to_context_order(*arrays: Optional[jax.Array]) -> tuple[Optional[jax.Array], ...]:
+    """(B, T, ...) arrays in zig-zag order along T (None stays None); unchanged when not active."""
+    seq_len = next(a.shape[1] for a in arrays if a is not None)
+    if not active(seq_len):
+        return arrays
+    order = zigzag_order(seq_len, context_ways())
+    return tuple(None if a is None else jnp.take(a, order, axis=1) for a in arrays)
+
+
+def from_context_order(x: jax.Array) -> jax.Array:
+    """Undo `to_context_order` for (B, T, ...) `x`."""
+    if not active(x.shape[1]):
+        return x
+    return jnp.take(x, np.argsort(zigzag_order(x.shape[1], context_ways())), axis=1)
+
+
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """(B, Tq, K, G, H) x (B, Tk, K, H) -> float32 (B, K, G, Tq, Tk), scaled."""
+    return jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+
+
+def _mask(q_index: jax.Array, k_index: jax.Array, q_seg: Optional[jax.Array],
+          k_seg: Optional[jax.Array]) -> jax.Array:
+    """(B or 1, 1, 1, Tq, Tk): a key at or before the query in the original row, of its document."""
+    causal = (k_index[None, :] <= q_index[:, None])[None, None, None]
+    if q_seg is None:
+        return causal
+    return causal & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    b, t, n, h = q.shape
+    return q.reshape(b, t, kv_heads, n // kv_heads, h)
+
+
+def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq_len: int, ways: int,
+                 ring: bool) -> jax.Array:
+    """One shard's queries against the row's key/value blocks, one block at a time into a running
+    softmax (max, denominator, weighted values) in float32: the blocks gathered from every shard
+    first (allgather), or passed around the ring of shards, the next transfer issued before this
+    block's compute (ring). The running max is kept out of the gradient (any shift gives the same
+    result), and the backward pass recomputes each block's scores instead of keeping them."""
+    order = jnp.asarray(zigzag_order(seq_len, ways)).reshape(ways, -1)
+    me = jax.lax.axis_index(AXIS)
+    qg = _grouped(q, k.shape[2])
+    b, t, kh, g, h = qg.shape
+    seg_own = seg if seg is not None else jnp.zeros((b, t), jnp.int32)
+    perm = [(j, (j + 1) % ways) for j in range(ways)]
+    gathered = None if ring else tuple(jax.lax.all_gather(a, AXIS) for a in (k, v, seg_own))  # (C, B, T/C, ...)
+
+    def fold(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        out, top, total, *held = carry
+        source = (me - step) % ways
+        if ring:
+            k_blk, v_blk, s_blk = held
+            held = [jax.lax.ppermute(a, AXIS, perm) for a in held]  # issued before the compute
+        else:
+            k_blk, v_blk, s_blk = (a[source] for a in gathered)
+        mask = _mask(order[me], order[source], seg, s_blk if seg is not None else None)
+        s = jnp.where(mask, _scores(qg, k_blk), -jnp.inf)
+        new_top = jax.lax.stop_gradient(jnp.maximum(top, jnp.max(s, axis=-1)))
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        p = jnp.where(mask, jnp.exp(s - shift[..., None]), 0.0)
+        scale = jnp.where(jnp.isfinite(top), jnp.exp(top - shift), 0.0)
+        total = total * scale + jnp.sum(p, axis=-1)
+        out = out * scale[..., None] + jnp.einsum("bkgqs,bskh->bkgqh", p, v_blk.astype(jnp.float32))
+        return (out, new_top, total, *held)
+
+    start = (jnp.zeros((b, kh, g, t, h), jnp.float32), jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
+             jnp.zeros((b, kh, g, t), jnp.float32), *((k, v, seg_own) if ring else ()))
+    out, _, total, *_ = jax.lax.fori_loop(0, ways, jax.checkpoint(fold), start)
+    out = out / total[..., None]  # every query sees itself: total > 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+
+
+def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
+                      kv_axes: tuple[str, ...]) -> jax.Array:
+    """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
+    the context axis in shard_map: `allgather` or `ring` (`auto`: allgather). Batch and heads
+    stay split as their logical axes say."""
+    from runner.models.attention import Q_AXES, fit_spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
+    q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
+    if kv_spec[2] != q_spec[2]:  # kv heads replicated while query heads are split: one kv head per query head
+        repeat = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+        kv_spec = q_spec
+    local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring")
+    P = jax.sharding.PartitionSpec
+    if segment_ids is None:
+        return jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q, k, v)
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1])), out_specs=q_spec,
+                         check_vma=False)(q, k, v, segment_ids)
+

@@ -1,0 +1,57 @@
+"""What the mesh-equivalence scripts share (they run in a process of their own, with fake devices):
+a model's loss, logits and gradients on packed rows, and the error of a sharded run against them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def logits_and_grads(model: Any, params: Any, tokens: jax.Array, segment_ids: jax.Array,
+                     positions: jax.Array) -> tuple[Any, str]:
+    """((sum of sin(logits), logits), gradients) of `model` under the current mesh, and the
+    compiled program's text (to see which collectives it uses)."""
+    def loss(p: Any) -> tuple[jax.Array, jax.Array]:
+        logits = model.apply({"params": p}, tokens, segment_ids=segment_ids, positions=positions)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    return step(params), step.lower(params).as_text()
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """The largest difference of any leaf, relative to that leaf's largest magnitude (at least 1)."""
+    return max(float(jnp.max(jnp.abs(a - b))) / max(float(jnp.max(jnp.abs(b))), 1.0)
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def run_script(script: str, tmp_path: Any, devices: int = 4) -> dict[str, Any]:
+    """Run an equivalence script in a process of its own with `devices` CPU devices; its last
+    line of output, as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, runner_env
+
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=runner_env(tmp_path, devices=devices),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_same_losses(run: list[str], tmp_path: Any, name: str, extra: list[str], want: dict[int, float]) -> None:
+    """`python -m runner` with `run` and `extra` on 4 devices, into run.dir=`name`: its logged
+    losses are `want`'s (steps and values) within float32 rounding."""
+    import pytest
+
+    from tests.conftest import read_metrics, run_runner
+
+    proc = run_runner([*run, f"run.dir={name}", *extra], tmp_path, devices=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)
