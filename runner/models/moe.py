@@ -39,8 +39,8 @@ from runner.models.common import LOSSES, MODEL_STATE, REPORTS, normal_init, resi
 DISPATCHES = ("ragged", "gmm", "capacity", "dense")
 # The grouped matmuls of a ragged dispatch: ragged_dot (jax.lax's), gmm (megablox's TPU kernel;
 # gmm_interpret: the same run by Pallas' interpreter, anywhere), blocked (for XLA:CPU, whose
-# ragged_dot computes every group over every row: each group's rows padded to whole blocks of
-# `block_rows`, every block one batched matmul with its group's weights; dropless all the same).
+# ragged_dot computes every group over every row: each group's rows padded to whole blocks, every
+# block one batched matmul with its group's weights; dropless all the same).
 KERNELS = ("ragged_dot", "gmm", "gmm_interpret", "blocked")
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "ragged_dot") -> jax.Array:
@@ -155,8 +155,8 @@ def ragged_experts(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.
 def _ragged_swiglu(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, sizes: jax.Array,
                    act: Activation, kernel: str, expected: int | None = None) -> jax.Array:
     """Rows sorted by expert, `sizes` rows each: one grouped matmul per weight (rows past the
-    sizes' sum come out zero). `expected`: how many rows are routed here on average (the padded
-    kernel's slots are sized from it; default all of them)."""
+    sizes' sum come out zero). `expected`: how many rows are routed here on average (the blocked
+    kernel sizes its blocks from it; default all of them)."""
     if kernel == "blocked":
         return _blocked_swiglu(rows, w_gate, w_up, w_down, sizes, act, expected or rows.shape[0])
     hidden = act(grouped_matmul(rows, w_gate, sizes, kernel)) * grouped_matmul(rows, w_up, sizes, kernel)
@@ -168,7 +168,9 @@ def _blocked_swiglu(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down:
     """The grouped matmuls by whole blocks: each group's rows start a fresh block (a block of
     about a quarter of an even share, 8 to 128 rows), so every block belongs to one group and is
     one batched matmul with that group's weights (gathered per block). At most `groups` blocks
-    are part-empty: the padding is bounded, the shapes static, nothing dropped."""
+    are part-empty: the padding is bounded, the shapes static, nothing dropped. Every row of
+    `rows` is computed, so an expert-parallel receive buffer (sized for the worst case) costs
+    its whole size here."""
     groups, (m, d) = w_gate.shape[0], rows.shape
     block = int(min(128, max(8, expected // (4 * groups))))
     blocks = -(-m // block) + groups

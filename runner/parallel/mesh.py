@@ -168,7 +168,8 @@ def check_spec(spec: Any) -> None:
     if experts and spec.mesh.expert > 1 and experts % spec.mesh.expert:
         raise ConfigError("mesh.expert", spec.mesh.expert, f"each of its shards holds an equal share of the "
                           f"{experts} experts (job.model.moe.n_experts), so it must divide them.",
-                          f"use a divisor of {experts}, e.g. mesh.expert={math.gcd(experts, spec.mesh.expert)}.")
+                          f"use a divisor of {experts}, e.g. mesh.expert="
+                          f"{max(d for d in range(1, spec.mesh.expert + 1) if experts % d == 0)}.")
     if not topology.num_devices:
         return
     t = spec.train
