@@ -24,17 +24,16 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from runner.errors import ConfigError
 from runner.models import context
+from runner.models.common import Q_AXES, fit_spec
 from runner.registry import Registry
 
 # (q (B, T, N, H), k and v (B, T, K, H), segment_ids (B, T) or None, logical axes) -> (B, T, N, H)
 Attend = Callable[..., jax.Array]
 ATTENTION: Registry[Attend] = Registry("attention implementation", "job.model.attention", allow_import_paths=False)
 CHOICES = ("auto", "xla", "cudnn", "splash")
-Q_AXES = ("batch", "length", "heads", "kv")
 
 
 def segment_mask(segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
@@ -100,17 +99,6 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optiona
     else:
         out = jax.vmap(one_row)(qg, kt, vt, segment_ids)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq_len, heads, head_dim)
-
-
-def fit_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Any) -> jax.sharding.PartitionSpec:
-    """The mesh axes the logical `names` map to, dropping any that do not divide the dimension (a
-    one-row batch at initialisation stays whole)."""
-    spec = nn.logical_to_mesh_axes(names)
-    fitted = []
-    for size, axes in zip(shape, (*spec, *[None] * (len(shape) - len(spec)))):
-        group = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        fitted.append(axes if size % math.prod(mesh.shape[a] for a in group) == 0 else None)
-    return jax.sharding.PartitionSpec(*fitted)
 
 
 @ATTENTION.register("splash")

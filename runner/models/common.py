@@ -80,6 +80,19 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 Axes = tuple[str | None, ...]
+Q_AXES = ("batch", "length", "heads", "kv")  # attention's (B, T, N, H) queries
+
+
+def fit_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Any) -> jax.sharding.PartitionSpec:
+    """The mesh axes the logical `names` map to, dropping any that do not divide the dimension (a
+    one-row batch at initialisation stays whole)."""
+    spec = nn.logical_to_mesh_axes(names)
+    fitted = []
+    for size, axes in zip(shape, (*spec, *[None] * (len(shape) - len(spec)))):
+        group = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        fitted.append(axes if size % math.prod(mesh.shape[a] for a in group) == 0 else None)
+    return jax.sharding.PartitionSpec(*fitted)
+
 
 # What a layer may sow (flax `sow`) for the train step (runner.train.steps.token_loss): LOSSES are
 # added to the loss it differentiates, REPORTS are logged with the step's metrics (a name ending

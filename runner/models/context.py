@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runner.models.common import Q_AXES, fit_spec
+
 CONTEXT_PARALLEL = ("auto", "allgather", "ring")
 AXIS = "context"
 
@@ -135,8 +137,6 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
     """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
     the context axis in shard_map: `allgather` or `ring` (`auto`: allgather). Batch and heads
     stay split as their logical axes say."""
-    from runner.models.attention import Q_AXES, fit_spec
-
     mesh = jax.sharding.get_abstract_mesh()
     ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
     q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
