@@ -138,8 +138,9 @@ class Generate(EvaluatorBase):
 
             def run(state: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
                 tokens = generate_tokens(state.apply_fn, state.variables(), batch["prompt"], batch["length"],
-                                         batch["id"], max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                                         seed=settings.seed, vocab=vocab, init_cache=init_cache)
+                                         batch["id"], max_new_tokens=settings.max_new_tokens,
+                                         temperature=settings.temperature, seed=settings.seed, vocab=vocab,
+                                         init_cache=init_cache)
                 return tokens, batch["id"]
 
             self._fn = jax.jit(run, out_shardings=replicated(ctx))

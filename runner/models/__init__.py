@@ -45,7 +45,7 @@ def model_config(spec: ExecutionSpec) -> Any:
         return config
     target = platform(spec)
     impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
-    if spec.mesh.context > 1:  # rows split over the context axis: attention runs as XLA blocks (runner.models.context)
+    if spec.mesh.context > 1:  # rows split over the context axis: attention as XLA blocks (runner.models.context)
         impl = "xla"
     config = dataclasses.replace(config, attention=impl)
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform

@@ -6,7 +6,7 @@ across the split (`job.model.context_parallel`).
     ring       the key/value blocks travel around the ring of shards (`ppermute`), each shard
                folding one block at a time into an online softmax: no shard ever holds the whole
                row's keys, and the next block's transfer is issued before this block's compute.
-    auto       allgather (the one whose memory is known per layer; ring for rows too long for it).
+    auto       allgather.
 
 Layout. A causal row has more work at its end than at its start, so the row is not cut into C
 contiguous pieces: it is cut into 2C chunks, and shard i holds chunks i and 2C-1-i (the zig-zag
@@ -17,7 +17,8 @@ masks by each token's place in the original row and its document (segment id): a
 spans two shards attends within itself only, whatever the order.
 
 The blocks are computed by XLA einsums (float32 softmax): no fused kernel takes a zig-zag mask
-yet, so `job.model.attention` must be xla or auto under context parallelism (runner.models.check_spec).
+yet, so `job.model.attention` must be xla or auto under context parallelism (refused otherwise
+by runner.parallel.mesh.check_context).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import numpy as np
 
 from runner.models.common import Q_AXES, fit_spec
 
-CONTEXT_PARALLEL = ("auto", "allgather", "ring")
 AXIS = "context"
 
 

@@ -44,8 +44,8 @@ def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array],
 
 
 def _layer_order(path: Any) -> int:
-    """Where a sown leaf's layers come in the model: block_i at i; a scanned stack (its layers in
-    order along the leaf) by the stack's place."""
+    """Where a sown leaf's layers come in the model: an unrolled block_i at i; a scanned stack at
+    0 (its layers are in order along the leaf)."""
     for p in path:
         key = str(getattr(p, "key", ""))
         if key.startswith("block_") and key[6:].isdigit():
