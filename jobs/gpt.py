@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from runner.models import import_hf_params, model_config
+from runner.models import import_hf_params, model_config, platform, quantization
 from runner.spec import ExecutionSpec
 from runner.train.job import JOBS
 from runner.train.trainer import BaseTrainer
@@ -27,6 +27,17 @@ class LMTrainer(BaseTrainer[Any, Any]):
     def attention(self) -> str:
         """The attention implementation the model runs, resolved for the platform."""
         return str(getattr(self.model_config, "attention", ""))
+
+    @property
+    def quantization(self) -> str:
+        """What runs quantized (job.model.quantization), for the run card; empty when nothing does."""
+        return quantization.describe(self.model_config, quantization.provider_of(self.model))
+
+    def quantization_warnings(self) -> list[str]:
+        """What the target platform runs slowly (runner.models.quantization.check)."""
+        if self.spec.job.model.quantization == "none":
+            return []
+        return quantization.check(self.spec.job.model, platform(self.spec), self.topology.chip)
 
     @functools.cached_property
     def logical_axis_rules(self) -> Sequence[tuple[str, Any]]:  # type: ignore[override]

@@ -145,6 +145,14 @@ class ModelSpec(_Frozen):
     remat: str = "none"  # none | full | dots
     use_bias: bool = True
     scan_layers: bool = True
+    # int8 | fp8: the matmuls quantization_scope names run quantized, through Qwix
+    # (runner.models.quantization); none: in compute_dtype
+    quantization: str = "none"
+    # attention (q, k, v, out projections) | mlp | experts | head (the output projection)
+    quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
+    # how quantized operands are scaled: channel (an absolute max per row/column) | tensor (one per
+    # operand: what fp8 matmul units fuse) | auto (tensor for fp8, channel for int8)
+    quantization_scaling: str = "auto"
     # Size scaling by one integer: scale > 0 sets n_heads = scale, d_model = scale * head_dim and
     # d_ff = 4 * d_model (width, MLP width and head count together), so a model-size sweep is
     # one multirun line: `-m job.model.scale=2,4,8`.
@@ -170,7 +178,7 @@ class ModelSpec(_Frozen):
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
             ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("none", "full", "dots")),
-            ("context_parallel", ("auto", "allgather", "ring")),
+            ("context_parallel", ("auto", "allgather", "ring")), ("quantization_scaling", ("auto", "channel", "tensor")),
             ("activation", ("", *ACTIVATIONS))))
         self.rope.check(spec)
         self.moe.check(spec)

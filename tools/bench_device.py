@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -43,10 +44,18 @@ CONFIGS = {
     "cudnn_b16_full": ["job.model.attention=cudnn", "train.batch_size=16", "job.model.remat=full"],
     "cudnn_b16_dots": ["job.model.attention=cudnn", "train.batch_size=16", "job.model.remat=dots"],
     "xla_b8_full": ["job.model.attention=xla", "train.batch_size=8", "job.model.remat=full"],
+    # quantized training (job.model.quantization) against the best bf16 row
+    "fp8_b16_dots": ["job.model.attention=cudnn", "train.batch_size=16", "job.model.remat=dots",
+                     "job.model.quantization=fp8"],
+    "fp8_channel_b16_dots": ["job.model.attention=cudnn", "train.batch_size=16", "job.model.remat=dots",
+                             "job.model.quantization=fp8", "job.model.quantization_scaling=channel"],
+    "int8_b8_dots": ["job.model.attention=cudnn", "train.batch_size=8", "job.model.remat=dots",
+                     "job.model.quantization=int8"],
 }
 
 
-def measure(name: str, overrides: list[str], steps: int, rounds: int, where: Path) -> dict[str, Any]:
+def measure(name: str, overrides: list[str], steps: int, rounds: int, where: Path,
+            hlo_dir: str | None = None) -> dict[str, Any]:
     """Build, compile, time and free one configuration."""
     import jax
 
@@ -69,6 +78,12 @@ def measure(name: str, overrides: list[str], steps: int, rounds: int, where: Pat
     topology = parse_topology(spec.topology)
     peak = topology.peak_bf16_flops / devices if topology.peak_bf16_flops else None
     memory = step.exe.memory_analysis()
+    hlo = step.exe.as_text()
+    if hlo_dir:
+        Path(hlo_dir, f"{name}.hlo.txt").write_text(hlo)
+    targets = re.findall(r'custom_call_target="([^"]*matmul[^"]*)"', hlo)  # cuBLAS's: $f8 for fp8 operands
+    kernels = {"matmul_kernels": {t: targets.count(t) for t in sorted(set(targets))},
+               "int8_dots": len(re.findall(r"= s32\[[^=]*? dot\(", hlo))}  # XLA's own int8 dots, if any
     record = {"config": name, "overrides": overrides, "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "devices": devices, "tokens_per_step": tokens,
               "parameters": int(family.param_count(job.model_config)),
@@ -77,7 +92,7 @@ def measure(name: str, overrides: list[str], steps: int, rounds: int, where: Pat
               "mfu": per_device * flops / peak if peak else None,
               "compiled_memory_bytes": int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                                            + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
-              "build_and_compile_s": ready_s}
+              "build_and_compile_s": ready_s, **kernels}
     del step, job
     gc.collect()
     return record
@@ -92,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="also append each JSON line to this file")
+    parser.add_argument("--hlo", default=None, help="write each configuration's compiled program to DIR/NAME.hlo.txt")
     args = parser.parse_args(argv)
     configs = dict(CONFIGS)
     for item in args.config:
@@ -102,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                record = measure(name, [*BASE, *args.overrides, *configs[name]], args.steps, args.rounds, Path(tmp))
+                record = measure(name, [*BASE, *args.overrides, *configs[name]], args.steps, args.rounds, Path(tmp),
+                                 args.hlo)
             except Exception as e:  # noqa: BLE001 - one failing configuration must not stop the others
                 record = {"config": name, "overrides": configs[name], "error": f"{type(e).__name__}: {e}"[:2000]}
                 gc.collect()

@@ -13,7 +13,7 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, gpt, hf, llama  # noqa: F401  (register the built-in families)
+from runner.models import attention, gpt, hf, llama, quantization  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
@@ -64,6 +64,20 @@ def check_spec(spec: ExecutionSpec) -> None:
         family.for_platform(config, named)
     if hasattr(family, "hf_architecture"):
         family.hf_architecture(config)
+    check_quantization(spec, config)
+
+
+def check_quantization(spec: ExecutionSpec, config: Any) -> list[str]:
+    """job.model.quantization: a family that quantizes (its config has the field), a format and
+    scope runner can honour on the topology's chips (refused) and, returned, what it runs slowly."""
+    model = spec.job.model
+    if model.quantization != "none" and not hasattr(config, "quantization"):
+        raise ConfigError("job.model.quantization", model.quantization, f"the {model.family} family does not "
+                          "quantize its matmuls (its config has no quantization field), so the run would train "
+                          "unquantized.", "use job.model.quantization=none, or a family that quantizes (gpt, llama).")
+    topology = parse_topology(spec.topology) if spec.topology else None
+    named = topology.platform if topology else "auto"
+    return quantization.check(model, named, topology.chip if topology else None)
 
 
 def hf_family(init_from: str, model_type: Any) -> Any:
@@ -123,6 +137,7 @@ def with_hf_settings(spec: ExecutionSpec, overrides: Sequence[str]) -> Execution
     # the job file's model settings do not carry over (another family's keys among them): how to
     # run the model (dtypes, kernel, remat, scan, dropout, the context), and what the command line set, do
     keep = {"compute_dtype", "param_dtype", "attention", "remat", "scan_layers", "dropout", "context_length",
+            "quantization", "quantization_scope", "quantization_scaling",
             *(key.split(".")[0] for key in user_keys)}
     model = dataclasses.replace(ModelSpec(), **{key: getattr(spec.job.model, key) for key in keep
                                                 if hasattr(spec.job.model, key)})

@@ -133,10 +133,19 @@ def dense(cfg: Any, features: int, names: tuple[str, str], std: float, use_bias:
                     kernel_init=normal_init(std, names), bias_init=zeros_init((names[1],)), name=name)
 
 
-def embedding(cfg: Any, count: int, names: Axes, name: str) -> nn.Embed:
+class Embed(nn.Embed):
+    """flax's Embed whose `attend` (the tied output head) is an einsum, the op a quantization
+    library intercepts (flax's is a jnp.dot, which Qwix does not see): the same product."""
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
+        return jnp.einsum("...d,vd->...v", query, table)
+
+
+def embedding(cfg: Any, count: int, names: Axes, name: str) -> Embed:
     """A table of ``count`` d_model-wide embeddings, Normal(0, 0.02), logical axes ``names``."""
-    return nn.Embed(count, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                    embedding_init=normal_init(0.02, names), name=name)
+    return Embed(count, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                 embedding_init=normal_init(0.02, names), name=name)
 
 
 def project_heads(cfg: Any, x: jax.Array, heads: int, axis: str, use_bias: bool, name: str) -> jax.Array:

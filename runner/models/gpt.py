@@ -26,6 +26,7 @@ from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLI
     zeros_init)
 from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
+from runner.models.quantization import quantized
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class GPTConfig(Dtypes):
     scan_layers: bool = True
     activation: str = "gelu_new"  # transformers' name (runner.models.common.ACTIVATIONS)
     norm_eps: float = 1e-5
+    quantization: str = "none"  # job.model.quantization (runner.models.quantization)
+    quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
+    quantization_scaling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.d_ff == 0:
@@ -211,6 +215,15 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return float(6 * matmul_params + 12 * cfg.n_layers * d * seq_len)
 
 
+# What each job.model.quantization_scope quantizes (runner.models.quantization): module path
+# regexes and ops. The attention scores (an einsum in attn itself) are never among them.
+QUANTIZED = {
+    "attention": ((r"(.*/)?attn/(query|key|value|out)", ("einsum",)),),
+    "mlp": ((r"(.*/)?mlp/(fc|proj)", ("dot_general",)),),
+    "head": ((r"wte|lm_head", ("einsum", "dot_general")),),  # the tied embedding's attend, or lm_head
+}
+
+
 class GPTFamily:
     """GPT-2: learned positions, LayerNorm, GELU MLP, multi-head attention."""
 
@@ -234,7 +247,7 @@ class GPTFamily:
 
     @staticmethod
     def module(config: GPTConfig) -> GPT:
-        return GPT(config)
+        return quantized(GPT(config), config, QUANTIZED)
 
     @staticmethod
     def axis_rules(config: GPTConfig, mesh_shape: Any) -> tuple[tuple[str, Any], ...]:

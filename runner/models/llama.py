@@ -32,6 +32,7 @@ from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, 
 from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
+from runner.models.quantization import quantized
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class LlamaConfig(Dtypes):
     moe_bias_rate: float = 0.0  # the router's selection bias moves by this per step (0: no bias)
     moe_kernel: str = "ragged_dot"  # the grouped matmul (runner.models.moe.KERNELS): gmm for dispatch gmm
     moe_native_exchange: bool = False  # expert parallelism by jax.lax.ragged_all_to_all (TPU, GPU; for_platform)
+    quantization: str = "none"  # job.model.quantization (runner.models.quantization)
+    quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
+    quantization_scaling: str = "auto"
 
     @property
     def dense_layers(self) -> int:
@@ -328,6 +332,17 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return float(6 * matmul + 12 * cfg.n_layers * cfg.n_heads * h * seq_len)
 
 
+# What each job.model.quantization_scope quantizes (runner.models.quantization): module path
+# regexes and ops. The attention scores (an einsum in attn itself) and the router (a float32
+# dot_general in moe) are never among them.
+QUANTIZED = {
+    "attention": ((r"(.*/)?attn/(query|key|value|out)", ("einsum",)),),
+    "mlp": ((r"(.*/)?mlp/(gate|up|down)", ("dot_general",)),),
+    "experts": ((r"(.*/)?moe", ("einsum", "ragged_dot")), (r"(.*/)?moe/shared_(gate|up|down)", ("dot_general",))),
+    "head": ((r"embed|lm_head", ("einsum", "dot_general")),),  # the tied embedding's attend, or lm_head
+}
+
+
 class LlamaFamily:
     """Llama 2/3, Mistral-style and Qwen2/Qwen3-style decoders."""
 
@@ -393,7 +408,7 @@ class LlamaFamily:
 
     @staticmethod
     def module(config: LlamaConfig) -> Llama:
-        return Llama(config)
+        return quantized(Llama(config), config, QUANTIZED)
 
     @staticmethod
     def axis_rules(config: LlamaConfig, mesh_shape: Any) -> tuple[tuple[str, Any], ...]:

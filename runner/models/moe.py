@@ -135,7 +135,7 @@ def dense_experts(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.A
     out = jnp.einsum("tef,efd->ted", hidden, w_down)
     combine = jnp.sum(jax.nn.one_hot(routing.experts, n_experts, dtype=x.dtype)
                       * routing.weights[..., None].astype(x.dtype), axis=1)  # (T, E)
-    return jnp.einsum("ted,te->td", out, combine)
+    return jnp.sum(out * combine[..., None], axis=1)  # a weighted sum, not a matmul: never quantized
 
 
 def ragged_experts(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,

@@ -2,7 +2,8 @@
 
     tokens_per_s_per_device  tokens/s over the whole mesh / number of devices
     tflops_per_device        tokens_per_s_per_device x the model's training FLOPs per token / 1e12
-    mfu                      tflops_per_device / the device's peak
+    mfu                      tflops_per_device / the device's peak (bfloat16's, whatever the run's format)
+    mfu_int8, mfu_fp8        a quantized run (job.model.quantization): against the chip's peak in that format
 
 FLOPs per token are the model family's (`flops_per_token`: 6 x the matmul weights plus attention
 over the full, not causally halved, score matrix, as PaLM's appendix counts; biases, norms and
@@ -90,12 +91,19 @@ class Throughput:
     devices: int
     peak_flops_per_device: Optional[float]
     peak_source: str  # e.g. "v4 bf16 peak", "measured f32 matmul"
+    # a quantized run (job.model.quantization): its format, and the chip's peak in it per device,
+    # for `mfu_<format>` beside `mfu` (which stays against the bf16 peak, so it is not flattered)
+    quantization: str = "none"
+    format_peak_per_device: Optional[float] = None
 
     @classmethod
-    def for_run(cls, flops_per_token: Optional[float], topology: Topology, devices: Sequence[Any]) -> Throughput:
+    def for_run(cls, flops_per_token: Optional[float], topology: Topology, devices: Sequence[Any],
+                quantization: str = "none") -> Throughput:
         chip = topology.chip or chip_of(devices[0])
         if chip is not None:
-            return cls(flops_per_token, len(devices), chip.peak_bf16_flops_per_device, f"{chip.name} bf16 peak")
+            rate = getattr(chip, f"peak_{quantization}_ops", None)
+            return cls(flops_per_token, len(devices), chip.peak_bf16_flops_per_device, f"{chip.name} bf16 peak",
+                       quantization, rate / chip.devices_per_chip if rate else None)
         if str(devices[0].platform) == "cpu":
             local = [d for d in devices if d.process_index == devices[0].process_index]
             peak = cpu_peak(devices[0]) / len(local)
@@ -110,9 +118,17 @@ class Throughput:
             out["tflops_per_device"] = flops / 1e12
             if self.peak_flops_per_device:
                 out["mfu"] = flops / self.peak_flops_per_device
+            if self.format_peak_per_device:
+                out[f"mfu_{self.quantization}"] = flops / self.format_peak_per_device
         return out
 
     def describe(self) -> str:
         if not self.peak_flops_per_device:
             return f"MFU: not reported (no peak known for this device: {self.peak_source})"
-        return f"MFU peak per device: {self.peak_flops_per_device / 1e12:.3g} TFLOP/s ({self.peak_source})"
+        text = f"MFU peak per device: {self.peak_flops_per_device / 1e12:.3g} TFLOP/s ({self.peak_source})"
+        if self.quantization == "none":
+            return text
+        if not self.format_peak_per_device:
+            return text + f"; matmuls in {self.quantization}, whose peak here is not known: mfu is against bf16's"
+        return (text + f"; matmuls in {self.quantization}: mfu_{self.quantization} against its peak, "
+                f"{self.format_peak_per_device / 1e12:.3g} TFLOP/s per device")

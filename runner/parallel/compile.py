@@ -87,6 +87,9 @@ class CompileReport:
     model_notes: str = ""  # what else the family says about how the model runs (its `describe`, e.g. the experts')
     param_dtype: str = "float32"
     optimizer_state_dtype: str = "float32"
+    quantization: str = ""  # what runs quantized (job.model.quantization), once the step is traced
+    quantized_matmuls: dict[str, int] | None = None  # int8 / fp8 matmul instructions in the compiled step
+    format_peak_per_device: float | None = None  # the chip's peak in job.model.quantization's format
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -94,20 +97,26 @@ class CompileReport:
             data["memory"]["total"] = self.memory.total
         return json.dumps({"report": "compile", **data})
 
-    def text(self) -> str:
-        """The human-readable report."""
+    def _model_lines(self) -> list[str]:
+        """What was compiled: the step, the batch, the kernels, the precision."""
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         micro = f"{self.accumulate_steps} micro-batches" if self.accumulate_steps > 1 else "1 micro-batch"
-        lines = [
+        counts = self.quantized_matmuls
+        return [
             f"Compiled the {self.job} train step for {self.topology}: {self.devices} x {self.device_kind},"
             f" mesh {mesh}, in {self.compile_seconds:.1f}s",
             f"  batch {self.batch_size} x {self.seq_len} tokens ({micro}), {self.parameters:,} parameters",
             f"  attention {self.attention}, parameters in {self.param_dtype}, optimizer state in"
             f" {self.optimizer_state_dtype}",
             *([f"  {self.model_notes}"] if self.model_notes else []),
-            "",
-            "  memory per device",
+            *([f"  {self.quantization}"] if self.quantization else []),
+            *([f"  compiled step: {counts['int8']} int8 matmuls, {counts['fp8']} fp8 matmuls, of {counts['all']}"]
+              if counts is not None else []),
         ]
+
+    def text(self) -> str:
+        """The human-readable report."""
+        lines = [*self._model_lines(), "", "  memory per device"]
         limit = "unknown" if self.limit_bytes is None else _size(self.limit_bytes)
         if self.memory is not None:
             m = self.memory
@@ -146,6 +155,9 @@ class CompileReport:
         if per_device and self.peak_flops_per_device:
             lines.append(f"  at peak bf16 FLOP/s ({self.peak_flops_per_device:.3g} per device) a step takes at least"
                          f" {1e3 * per_device / self.peak_flops_per_device:.3g} ms")
+        if per_device and self.format_peak_per_device:
+            lines.append(f"  at the chip's peak in the quantized format ({self.format_peak_per_device:.3g} per device), if"
+                         f" every matmul ran in it: {1e3 * per_device / self.format_peak_per_device:.3g} ms")
         if self.fits:
             lines.append(f"fits: yes, the train step fits on {self.topology} (exit 0)")
         else:
@@ -353,6 +365,29 @@ def _model_notes(job: Any) -> str:
     return describe(job.model_config, dict(job.mesh.shape)) if describe else ""
 
 
+_DEFINED = re.compile(r"%(\S+) = \(?([a-z][a-z0-9]*)\[")  # an instruction's name and (first) element type
+_MATMUL = re.compile(r" (dot|convolution|custom-call)\(%([^,)\s]+), %([^,)\s]+)")
+
+
+def quantized_matmuls(hlo: str) -> dict[str, int]:
+    """Count the compiled program's matmuls (dots, convolutions, cuBLAS calls), and those whose
+    two operands are int8 or fp8: what proves the quantized ops reached the compiler (a TPU's
+    int8 matmul may well return bf16; its operands say what it multiplied)."""
+    types = dict(_DEFINED.findall(hlo))
+    counts = {"int8": 0, "fp8": 0, "all": 0}
+    for line in hlo.splitlines():
+        match = _MATMUL.search(line)
+        if not match or (match.group(1) == "custom-call" and "matmul" not in line):
+            continue
+        counts["all"] += 1
+        operands = {types.get(match.group(2), ""), types.get(match.group(3), "")}
+        if operands == {"s8"}:
+            counts["int8"] += 1
+        elif "matmul$f8" in line or all(t.startswith("f8") for t in operands):
+            counts["fp8"] += 1
+    return counts
+
+
 def _analytic_flops(job: Any) -> float | None:
     fpt = job.flops_per_token()
     if not fpt:
@@ -391,6 +426,9 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
     start = time.perf_counter()
     with job.program.context():
         lowered = step.lower(abstract, batch)
+    report.quantization = str(getattr(job, "quantization", ""))  # traced now: the modules are known
+    rate = getattr(topology.chip, f"peak_{spec.job.model.quantization}_ops", None) if report.quantization else None
+    report.format_peak_per_device = rate / topology.chip.devices_per_chip if rate else None
     try:
         compiled = lowered.compile()
     except Exception as err:
@@ -410,6 +448,8 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
             alias=int(stats.alias_size_in_bytes), temp=int(stats.temp_size_in_bytes),
             generated_code=int(stats.generated_code_size_in_bytes))
     report.flops_per_device = _flops(compiled)
+    if report.quantization:
+        report.quantized_matmuls = quantized_matmuls(compiled.as_text())
     report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in compiled.as_text()
     report.fits = report.memory is None or limit is None or report.memory.total <= limit
     return report

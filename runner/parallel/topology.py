@@ -49,6 +49,10 @@ class Chip:
     devices_per_chip: int  # JAX devices per chip: 2 on v2/v3, 1 on megacore v4/v5p
     name_counts: Literal["cores", "chips"]  # what the N in "<name>-N" counts
     single_host_max_chips: int  # slices up to this many chips fit on one host
+    # dense int8 and fp8 matmul rates per chip (job.model.quantization): 0 where the chip has no
+    # such matrix units, None where no rate is published
+    peak_int8_ops: float | None = None
+    peak_fp8_ops: float | None = None
 
     @property
     def hbm_bytes_per_device(self) -> int:
@@ -62,16 +66,16 @@ class Chip:
 CHIPS: dict[str, Chip] = {
     c.name: c
     for c in (
-        Chip("v2", 16 * GiB, 45e12, 2, 4, 2, "cores", 4),
-        Chip("v3", 32 * GiB, 123e12, 2, 4, 2, "cores", 4),
-        Chip("v4", 32 * GiB, 275e12, 2, 4, 1, "cores", 4),
-        Chip("v5p", 95 * GiB, 459e12, 2, 4, 1, "cores", 4),
-        Chip("v5e", 16 * GiB, 197e12, 1, 4, 1, "chips", 8),
-        Chip("v6e", 32 * GiB, 918e12, 1, 4, 1, "chips", 8),
-        Chip("tpu7x", 192 * GiB, 2307e12, 2, 4, 2, "cores", 4),  # Ironwood
-        Chip("h100", 80 * GiB, 989e12, 1, 8, 1, "chips", 8),
-        Chip("h200", 141 * GiB, 989e12, 1, 8, 1, "chips", 8),
-        Chip("a100", 80 * GiB, 312e12, 1, 8, 1, "chips", 8),
+        Chip("v2", 16 * GiB, 45e12, 2, 4, 2, "cores", 4, 0, 0),
+        Chip("v3", 32 * GiB, 123e12, 2, 4, 2, "cores", 4, 0, 0),
+        Chip("v4", 32 * GiB, 275e12, 2, 4, 1, "cores", 4, 275e12, 0),
+        Chip("v5p", 95 * GiB, 459e12, 2, 4, 1, "cores", 4, 918e12, 0),
+        Chip("v5e", 16 * GiB, 197e12, 1, 4, 1, "chips", 8, 394e12, 0),
+        Chip("v6e", 32 * GiB, 918e12, 1, 4, 1, "chips", 8, 1836e12, 0),
+        Chip("tpu7x", 192 * GiB, 2307e12, 2, 4, 2, "cores", 4, None, 4614e12),  # Ironwood
+        Chip("h100", 80 * GiB, 989e12, 1, 8, 1, "chips", 8, 1979e12, 1979e12),
+        Chip("h200", 141 * GiB, 989e12, 1, 8, 1, "chips", 8, 1979e12, 1979e12),
+        Chip("a100", 80 * GiB, 312e12, 1, 8, 1, "chips", 8, 624e12, 0),
     )
 }
 _TPU_ALIASES = {"v5litepod": "v5e"}  # canonical names: the Cloud TPU accelerator type

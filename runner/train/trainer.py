@@ -261,7 +261,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     @functools.cached_property
     def throughput(self) -> Throughput:
         """Per-device rates and MFU for the progress line and metrics (runner.observability.throughput)."""
-        return Throughput.for_run(self.flops_per_token(), self.topology, self.devices)
+        return Throughput.for_run(self.flops_per_token(), self.topology, self.devices,
+                                  self.spec.job.model.quantization)
 
     def eval_context(self) -> EvalContext:
         return EvalContext(spec=self.spec, mesh=self.mesh, strategy=self.strategy, val_step=self.program.val_step,
@@ -486,6 +487,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 self._facts["active_parameters"] = active
             if getattr(self, "attention", ""):
                 self._facts["attention"] = self.attention
+            if getattr(self, "quantization", ""):
+                self._facts["quantization"] = self.quantization
+                for warning in self.quantization_warnings():
+                    self.warn(warning)
             for line in runcard.summary_lines(self._facts):
                 self.logger.progress.message(line)
         if jax.process_index() == 0:
