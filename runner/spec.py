@@ -142,7 +142,9 @@ class ModelSpec(_Frozen):
     attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
     # with mesh.context > 1, attention across the split rows: auto | allgather | ring (runner.models.context)
     context_parallel: str = "auto"
-    remat: str = "none"  # none | full | dots
+    # auto (dots when layers are scanned, none when unrolled: measured fastest on CPU, docs/performance.md)
+    # | none (save every activation) | full (recompute the block) | dots (save the weight matmuls' outputs)
+    remat: str = "auto"
     use_bias: bool = True
     scan_layers: bool = True
     # int8 | fp8: the matmuls quantization_scope names run quantized, through Qwix
@@ -177,7 +179,7 @@ class ModelSpec(_Frozen):
         _check_rules("job.model", self, (
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
-            ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("none", "full", "dots")),
+            ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("auto", "none", "full", "dots")),
             ("context_parallel", ("auto", "allgather", "ring")), ("quantization_scaling", ("auto", "channel", "tensor")),
             ("activation", ("", *ACTIVATIONS))))
         self.rope.check(spec)

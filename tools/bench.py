@@ -380,13 +380,18 @@ def main(argv: list[str] | None = None) -> int:
         "restore_s": statistics.median(restore),
         "process_s": time.perf_counter() - T_PROCESS,
     }
-    line = json.dumps(record)
-    print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
+    emit(record, args.out)
     print(table(record), flush=True)
     return 0
+
+
+def emit(record: dict[str, Any], out: str | None) -> None:
+    """Print a benchmark's record as one JSON line, and append it to `out` if given."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 
 def table(r: dict[str, Any]) -> str:

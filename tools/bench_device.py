@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import re
 import statistics
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import StepOnly, compose  # noqa: E402
+from bench import StepOnly, compose, emit  # noqa: E402
 
 BASE = ["job=llama3_1b", "topology=h100-1", "train.seq_len=2048", "train.accumulate_steps=1",
         "data.strategy=synthetic", "eval.every=0", "logging.wandb=disabled", "logging.progress=none"]
@@ -124,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 record = {"config": name, "overrides": configs[name], "error": f"{type(e).__name__}: {e}"[:2000]}
                 gc.collect()
             records.append(record)
-            line = json.dumps(record)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            emit(record, args.out)
     print(f"{'config':<22} {'step ms':>8} {'tok/s/dev':>10} {'MFU':>6} {'memory GiB':>10}")
     for r in records:
         if "error" in r:

@@ -16,7 +16,6 @@ Prints ONE JSON line (``--out`` also appends it) and then a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import StepOnly, compose, matmul_peak  # noqa: E402
+from bench import StepOnly, compose, emit, matmul_peak  # noqa: E402
 
 CONFIGS = {
     "dense": ["job=llama_tiny"],
@@ -80,11 +79,7 @@ def compare(configs: dict[str, list[str]], argv: list[str] | None, bench: str, d
         record["configs"][name] = {**info, "tokens_per_s": tps, "tokens_per_s_rounds": rates[name],
                                    f"ratio_to_{names[0]}": statistics.median(ratios),
                                    "mfu": tps * info["flops_per_token"] / peak}
-    line = json.dumps(record)
-    print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
+    emit(record, args.out)
     print(f"{'config':<14} {'params':>12} {'active':>12} {'tok/s':>9} {'ratio':>6} {'MFU':>6}")
     for name, c in record["configs"].items():
         print(f"{name:<14} {c['parameters']:>12,} {c['active_parameters']:>12,} {c['tokens_per_s']:>9,.0f} "

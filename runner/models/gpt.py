@@ -45,7 +45,7 @@ class GPTConfig(Dtypes):
     param_dtype: str = "float32"
     attention: str = "auto"  # runner.models.attention
     context_parallel: str = "auto"  # runner.models.context
-    remat: str = "none"
+    remat: str = "auto"  # runner.models.common.remat_of
     use_bias: bool = True
     scan_layers: bool = True
     activation: str = "gelu_new"  # transformers' name (runner.models.common.ACTIVATIONS)
@@ -64,8 +64,8 @@ class GPTConfig(Dtypes):
         for name in ("compute_dtype", "param_dtype"):
             if getattr(self, name) not in COMPUTE_DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(COMPUTE_DTYPES)}")
-        if self.remat not in ("none", *REMAT_POLICIES):
-            raise ValueError(f"remat must be 'none', 'full' or 'dots', got {self.remat!r}")
+        if self.remat not in ("auto", "none", *REMAT_POLICIES):
+            raise ValueError(f"remat must be 'auto', 'none', 'full' or 'dots', got {self.remat!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

@@ -67,7 +67,7 @@ class LlamaConfig(Dtypes):
     param_dtype: str = "float32"
     attention: str = "auto"  # runner.models.attention
     context_parallel: str = "auto"  # runner.models.context
-    remat: str = "none"
+    remat: str = "auto"  # runner.models.common.remat_of
     scan_layers: bool = True
     moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
     moe_top_k: int = 2

@@ -174,3 +174,42 @@ def test_the_family_key_is_part_of_the_spec() -> None:
     assert spec.job.model.family == "llama" and spec.job.model.qk_norm and spec.job.model.rope.theta == 1e6
     config = family_for(spec).config(spec.job.model)
     assert dataclasses.asdict(config)["n_kv_heads"] == 8
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_remat_auto_saves_only_the_weight_matmuls_when_scanned_and_nothing_is_recomputed_unrolled(family) -> None:
+    """job.model.remat=auto (the default): a scanned stack is rematerialised with the dots policy
+    (its forward's jaxpr has a checkpoint whose policy is checkpoint_dots_with_no_batch_dims), an unrolled
+    one not at all; gradients are those of remat=none either way."""
+    from runner.models.common import REMAT_POLICIES, remat_of
+
+    def checkpoints(jaxpr, found):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("checkpoint", "remat", "remat2"):  # jax.checkpoint, by version
+                found.append(eqn.params.get("policy"))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        checkpoints(inner, found)
+        return found
+
+    for scan in (True, False):
+        spec = spec_for(*TINY, f"job.model.family={family}", f"job.model.scan_layers={str(scan).lower()}")
+        assert spec.job.model.remat == "auto"
+        fam = family_for(spec)
+        cfg = fam.config(spec.job.model)
+        assert remat_of(cfg) == ("dots" if scan else "none")
+        tokens = jnp.arange(32).reshape(2, 16) % 64
+        model = fam.module(cfg)
+        params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+
+        def loss(p, model=model):
+            return jnp.mean(jnp.sin(model.apply({"params": p}, tokens)))
+
+        found = checkpoints(jax.make_jaxpr(loss)(params).jaxpr, [])
+        assert found == ([REMAT_POLICIES["dots"]] if scan else []), found
+        plain = fam.module(dataclasses.replace(cfg, remat="none"))
+        want = jax.grad(lambda p: jnp.mean(jnp.sin(plain.apply({"params": p}, tokens))))(params)
+        for a, b in zip(jax.tree.leaves(jax.grad(loss)(params)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -45,16 +45,17 @@ def matmul_operand_types(jaxpr: Any, counts: dict | None = None) -> dict[tuple[s
 
 
 def llama(**kw: Any) -> LlamaConfig:
-    """Three layers: one dense, two with four experts and a shared expert."""
+    """Three layers: one dense, two with four experts and a shared expert; nothing recomputed (a
+    recomputed forward would run its matmuls twice)."""
     return LlamaConfig(**{**dict(vocab_size=64, context_length=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                                  head_dim=8, d_ff=64, compute_dtype="bfloat16", moe_experts=4, moe_top_k=2,
                                  moe_d_ff=16, moe_shared=1, moe_first_dense=1, moe_dispatch="ragged",
-                                 moe_kernel="ragged_dot"), **kw})
+                                 moe_kernel="ragged_dot", remat="none"), **kw})
 
 
 def gpt(**kw: Any) -> GPTConfig:
     return GPTConfig(**{**dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4,
-                               compute_dtype="bfloat16"), **kw})
+                               compute_dtype="bfloat16", remat="none"), **kw})
 
 
 def forward_matmuls(family: Any, cfg: Any, scope: tuple[str, ...]) -> int:

@@ -82,3 +82,57 @@ def test_bench_envs_parses_environments_and_compares_each_with_the_first() -> No
     text = bench_envs.summary(records, ["before", "after"])
     # medians 100 vs 150; paired ratios 1.5, 1.1, 1.3 -> 1.3 (not 150 / 100)
     assert "runner tok/s 150 (1.300x)" in text and "first step s 5 (0.500x)" in text, text
+
+
+@pytest.mark.e2e
+def test_bench_device_reports_each_configuration_and_a_failing_one_apart(tmp_path: Path) -> None:
+    """tools/bench_device.py on this CPU: a configuration of the user's own (llama_tiny in fp8, whose
+    matmuls the CPU runs dequantized), and one that is refused, reported with its error while the
+    other still runs."""
+    args = [sys.executable, str(ROOT / "tools" / "bench_device.py"), "--steps", "2", "--rounds", "2",
+            "--out", str(tmp_path / "device.jsonl"), "--hlo", str(tmp_path),
+            "--config", "fp8=job=llama_tiny,job.model.attention=xla,job.model.quantization=fp8,train.batch_size=4",
+            "--config", "refused=job.model.attention=cudnn", "--only", "fp8,refused",
+            "topology=cpu-1", "train.seq_len=64", "job.model.context_length=64"]
+    done = subprocess.run(args, cwd=tmp_path, env=runner_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "device.jsonl").read_text().splitlines()]
+    fp8, refused = records
+    assert fp8["config"] == "fp8" and len(fp8["step_s_rounds"]) == 2 and fp8["tokens_per_step"] == 4 * 64
+    assert fp8["mfu"] is None  # topology=cpu-1 has no published peak
+    assert fp8["matmul_kernels"] == {} and (tmp_path / "fp8.hlo.txt").is_file()  # no cuBLAS on a CPU
+    assert "cuDNN attention runs on NVIDIA GPUs" in refused["error"]
+    assert "refused" in done.stdout and "failed" in done.stdout  # the table says so too
+
+
+@pytest.mark.e2e
+def test_bench_maxtext_alternates_both_loops_and_reads_maxtext_s_step_lines(tmp_path: Path) -> None:
+    """tools/bench_maxtext.py with a stand-in for MaxText's environment (a script that answers as
+    its Python would: the package's directory, then the training loop's step lines), and runner's
+    real loop, scanned and unrolled, on a smaller model (runner's extra overrides)."""
+    fake = tmp_path / "maxtext-python"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *import\\ maxtext*) echo /opt/maxtext;; *pre_train.train*)\n"
+                    "  for i in 1 2 3 4 5 6 7 8; do echo \"completed step: $i, seconds: 0.250, TFLOP/s/device: 1\"; done;;\n"
+                    "esac\n")
+    fake.chmod(0o755)
+    env = runner_env(tmp_path)
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_maxtext
+    finally:
+        sys.path.pop(0)
+    assert bench_maxtext.steady([9.0, 1.0, 2.0, 3.0, 7.0], 1) == 2.0  # no warm-up, no last step
+    args = [sys.executable, str(ROOT / "tools" / "bench_maxtext.py"), "--maxtext-python", str(fake), "--rounds", "2",
+            "--steps", "8", "--warmup", "2", "--out", str(tmp_path / "mt.jsonl"),
+            "job.model.d_model=32", "job.model.n_layers=2", "job.model.n_heads=2", "job.model.d_ff=64",
+            "train.seq_len=32", "job.model.context_length=32"]
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "mt.jsonl").read_text())
+    configs = record["configs"]
+    assert configs["maxtext_scanned"]["step_s_rounds"] == [0.25, 0.25]
+    assert configs["runner_scanned"]["ratio_to_runner_scanned"] == 1.0
+    assert all(t > 0 for t in configs["runner_unrolled"]["step_s_rounds"])
+    order = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert order[:3] == ["runner_scanned", "maxtext_scanned", "runner_unrolled"] and order[3:] == order[2::-1]
