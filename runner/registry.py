@@ -15,6 +15,11 @@ from runner.errors import ConfigError
 T = TypeVar("T")
 
 
+def plural(kind: str) -> str:
+    """'model family' -> 'model families', 'optimizer' -> 'optimizers'."""
+    return kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
+
+
 class Registry(Generic[T]):
     """A named table of things of one kind, filled with the ``register`` decorator."""
 
@@ -72,5 +77,5 @@ class Registry(Generic[T]):
         except AttributeError:
             raise ConfigError(
                 self.key, path, f"module {module_name!r} has no attribute {attr!r}.",
-                f"name one of the {self.kind}s defined there, or one of: {', '.join(self.names())}.",
+                f"name one of the {plural(self.kind)} defined there, or one of: {', '.join(self.names())}.",
             ) from None

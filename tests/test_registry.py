@@ -66,3 +66,11 @@ def test_every_project_table_uses_the_registry() -> None:
     assert "heldout" in EVALUATORS and "gpt" in JOBS and "byte" in TOKENIZERS
     for table in (OPTIMIZERS, SCHEDULES, DATASET_STRATEGIES, EVALUATORS, JOBS, TOKENIZERS):
         assert isinstance(table, Registry)
+
+
+def test_an_unknown_attribute_of_an_import_path_names_the_kind_in_its_plural() -> None:
+    from runner.registry import plural
+
+    assert plural("model family") == "model families" and plural("optimizer") == "optimizers"
+    with pytest.raises(ConfigError, match="name one of the model families defined there"):
+        Registry("model family", "job.model.family").get("runner.registry:Nope")
