@@ -411,6 +411,28 @@ class EvalSpec(_Frozen):
 
 
 @dataclass(frozen=True)
+class LocalCheckpointSpec(_Frozen):
+    """checkpoint.local: the fast tier, each process's own directory on its host (node-local disk,
+    /dev/shm), saved more often than the durable tier in run.dir (runner.checkpoint.local_tier)."""
+
+    dir: str = ""  # a local path on every host; empty: no local tier
+    every_steps: int = 0  # 0: no step-based local saves
+    every_minutes: float = 0.0  # 0: no time-based local saves
+    keep: int = 2  # newest K local checkpoints kept per process
+    keep_best = 0  # (not a setting: the save policy's best-K, which only the durable tier has)
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("checkpoint.local", self, (
+            ("every_steps", ">= 0"), ("every_minutes", ">= 0"), ("keep", "> 0"),
+            ("dir", lambda v: "://" not in v, "the local tier is each host's own disk, not an object store.",
+             "give a local path (node-local NVMe, or /dev/shm for RAM); run.dir is the durable tier and may be gs://."),
+            ("dir", lambda v: not v or self.every_steps or self.every_minutes,
+             "checkpoint.local.dir is set but neither checkpoint.local.every_steps nor every_minutes is, so the "
+             "local tier would never save.", "set checkpoint.local.every_steps=N (or every_minutes), or unset "
+             "checkpoint.local.dir.")))
+
+
+@dataclass(frozen=True)
 class CheckpointSpec(_Frozen):
     every_steps: int = 100  # 0: no step-based saves
     every_minutes: float = 0.0  # 0: no time-based saves
@@ -422,11 +444,16 @@ class CheckpointSpec(_Frozen):
     keep_best: int = 0  # also keep the K checkpoints with the best best_metric (0: off)
     best_metric: str = ""  # a logged eval metric, e.g. eval/stdlib/loss
     best_mode: str = "min"  # min | max: which end of best_metric is best
+    # how long one durable save may wait on run.dir's storage (a bucket that is down) before the
+    # run stops with exit 75, its newest step kept in the local tier
+    storage_timeout_minutes: float = 10.0
+    local: LocalCheckpointSpec = field(default_factory=LocalCheckpointSpec)
 
     def check(self, spec: ExecutionSpec) -> None:
+        self.local.check(spec)
         _check_rules("checkpoint", self, (
             ("every_steps", ">= 0"), ("every_minutes", ">= 0"), ("keep", "> 0"), ("keep_every", ">= 0"),
-            ("on_damaged", ON_DAMAGED), ("keep_best", ">= 0"), ("best_mode", ("min", "max")),
+            ("storage_timeout_minutes", "> 0"), ("on_damaged", ON_DAMAGED), ("keep_best", ">= 0"), ("best_mode", ("min", "max")),
             ("best_metric", lambda v: bool(v) or not self.keep_best, "checkpoint.keep_best needs a metric to rank by.",
              "name a logged eval metric, e.g. checkpoint.best_metric=eval/stdlib/loss.")))
 

@@ -28,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from runner.checkpoint import storage
+from runner.checkpoint import checksum, storage
 from runner.errors import UserError, first_line
 from runner.spec import CheckpointSpec
 
@@ -41,11 +41,16 @@ class CheckpointWriteError(UserError):
     """The checkpoint directory cannot be written (read-only, disk full)."""
 
 
+StorageUnavailable = storage.StorageUnavailable  # (exit 75; raised here for run.dir's checkpoints)
+
+
 @dataclass(frozen=True)
 class Restored:
     step: int
     state: Any
     meta: dict[str, Any]
+    tier: str = "durable"  # or "local" (runner.checkpoint.local_tier)
+    location: Any = None  # the directory it was read from
 
 
 class SavePolicy:
@@ -153,6 +158,7 @@ class Checkpointer:
         self.spec = spec
         self.policy = policy or SavePolicy(spec)
         self.saved_step: Optional[int] = None  # the newest step saved or restored by this launch
+        self.unavailable = False  # its storage failed past retries and the bound (StorageUnavailable)
         options = ocp.CheckpointManagerOptions(
             # runner decides when (SavePolicy) and saves with force=True; orbax never saves by itself
             save_decision_policy=policies.SpecificStepsPolicy(steps=()),
@@ -194,10 +200,14 @@ class Checkpointer:
         if step == self.saved_step:
             return False
         metrics = self.policy.metrics(step)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta())})
+        record = {**meta(), "checksums": checksum.checksums(state)}
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(record)})
         try:
-            self.manager.save(step, args=args, force=True, metrics=(metrics or {}) if self.spec.keep_best else None)
+            storage.bounded(lambda: self.manager.save(step, args=args, force=True,
+                                                      metrics=(metrics or {}) if self.spec.keep_best else None),
+                            self.timeout_s)
         except Exception as err:  # OSError, or tensorstore's ValueError(OUT_OF_RANGE ...) for a full disk
+            self._unavailable(err, f"saving checkpoint step {step}")
             raise CheckpointWriteError(
                 f"Saving checkpoint step {step} into {self.directory} failed: {first_line(err)}. Earlier checkpoints "
                 "are untouched. Fix: free disk space or make the directory writable, then rerun the same "
@@ -209,15 +219,38 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every pending save is committed."""
+        if self.unavailable:
+            return
         try:
-            self.manager.wait_until_finished()
+            storage.bounded(self.manager.wait_until_finished, self.timeout_s)
         except Exception as err:  # tensorstore reports a full disk as ValueError(OUT_OF_RANGE ...)
+            self._unavailable(err, "a checkpoint save")
             raise CheckpointWriteError(
                 f"A checkpoint save into {self.directory} failed: {first_line(err)}. Earlier checkpoints are untouched. "
                 "Fix: free disk space or make the directory writable, then rerun to resume."
             ) from None
 
+    @property
+    def timeout_s(self) -> float:
+        return self.spec.storage_timeout_minutes * 60
+
+    def _unavailable(self, err: Exception, what: str) -> None:
+        """Raise StorageUnavailable for a failure of a remote run.dir (a bucket down or refusing,
+        after the clients' own retries); a local disk's failures are the user's to fix."""
+        if not storage.is_remote(self.directory):
+            return
+        self.unavailable = True  # close() must not wait on it again
+        reason = str(err) if isinstance(err, StorageUnavailable) else f"{type(err).__name__}: {first_line(err, 300)}"
+        raise StorageUnavailable(
+            f"The durable checkpoint tier {self.directory} is unavailable: {what} failed ({reason}), retries "
+            "included. No checkpoint there is half-committed (a save counts only once its commit marker is "
+            "written), and earlier ones are untouched. Fix: check the bucket and the network, then rerun the "
+            "same command: it resumes from the newest complete checkpoint of either tier."
+        ) from None
+
     def close(self) -> None:
+        if self.unavailable:  # its threads may never return: leave them (daemon) to the process's end
+            return
         self.wait()
         self.manager.close()
 
@@ -241,18 +274,22 @@ class Checkpointer:
                     damaged.append(step)
                     continue
                 check(meta)
-                state = self._attempt(step, on_damaged, warn, lambda: self.manager.restore(
-                    step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)}))[STATE])
+                state = self._attempt(step, on_damaged, warn, lambda: self._restore_checked(step, abstract_state, meta))
                 if state is None:
                     damaged.append(step)
                     continue
                 self.saved_step = step
                 self.policy.best = dict(meta.get("best") or {})
-                return Restored(step=step, state=state, meta=meta)
+                return Restored(step=step, state=state, meta=meta, location=self.directory)
             return None
         finally:
             if damaged:
                 self._set_aside(damaged)
+
+    def _restore_checked(self, step: int, abstract_state: Any, meta: dict[str, Any]) -> Any:
+        state = self.manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)}))
+        checksum.verify(state[STATE], meta.get("checksums"))  # a flipped bit orbax's reads do not notice
+        return state[STATE]
 
     def _attempt(self, step: int, on_damaged: str, warn: Callable[[str], None], read: Callable[[], Any]) -> Any:
         """`read()`, or None when the checkpoint's files are damaged (or stop, if so configured)."""
@@ -321,6 +358,7 @@ def abstract_like(tree: Any) -> Any:
 def save_named(directory: Any, state: Any, meta: dict[str, Any]) -> Any:
     """Save a snapshot outside the step rotation (awaited; replaces an older one of that name)."""
     directory = storage.absolute(directory)
+    meta = {**meta, "checksums": checksum.checksums(state)}
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
@@ -343,7 +381,12 @@ def restore_named(directory: Any, abstract_state: Any) -> Restored:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         restored = checkpointer.restore(directory, args=args)
     meta = dict(restored[META] or {})
-    return Restored(step=int(meta.get("step", 0)), state=restored[STATE], meta=meta)
+    try:
+        checksum.verify(restored[STATE], meta.get("checksums"))
+    except checksum.ChecksumMismatch as err:
+        raise UserError(f"The checkpoint {directory} is damaged: {err}. Fix: restore from another snapshot or "
+                        "step.") from None
+    return Restored(step=int(meta.get("step", 0)), state=restored[STATE], meta=meta, location=directory)
 
 
 def check_compatible(saved: Mapping[str, Any], model_shapes: Mapping[str, Any], fingerprint: str,

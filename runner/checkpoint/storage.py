@@ -21,12 +21,43 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path, PurePosixPath
-from typing import Any, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 from runner.errors import UserError, first_line
+from runner.exits import PREEMPTED_EXIT_CODE
 
 EMULATOR = "STORAGE_EMULATOR_HOST"
+
+
+class StorageUnavailable(UserError):
+    """A run directory's storage (a bucket) failed past its clients' retries, or did not answer
+    within checkpoint.storage_timeout_minutes: a transient failure, so the run stops as a preempted
+    one does (exit 75) and the same command resumes it later."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+
+def bounded(work: Callable[[], Any], seconds: float) -> Any:
+    """`work()`, or StorageUnavailable if it has not returned within `seconds` (it is left running
+    in a daemon thread: a storage call that never returns must not hold the process)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as err:  # handed to the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="runner-storage", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise StorageUnavailable(f"no answer within checkpoint.storage_timeout_minutes={seconds / 60:g}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 MIRROR = "remote"  # local stand-ins for tools that only write local files live under cache_root()/MIRROR
 
 

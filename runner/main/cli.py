@@ -199,8 +199,8 @@ def execute(spec: Any, in_sweep: bool = False) -> None:
         write_resolved_spec(spec)
         job = job_class(spec)
         job.run()
-    except UserError:  # refused before training (a mesh, data, a checkpoint): leave no directory behind
-        if fresh:
+    except UserError as err:  # refused before training (a mesh, data, a checkpoint): leave no directory behind
+        if fresh and not isinstance(err, storage.StorageUnavailable):  # (an unreachable bucket: leave it be)
             storage.remove_if_only(spec.run.dir, {"spec.yaml"})
         raise
     except Preempted as stop:

@@ -6,7 +6,9 @@
     train       steps whose work was kept: loop time less data waits, evaluation and saves
     data_wait   the loop waiting for the next batch
     eval        evaluators (and compiling them)
-    checkpoint  saves, as far as the loop waits for them (asynchronous saves overlap training)
+    checkpoint  durable saves (run.dir), as far as the loop waits for them (asynchronous saves
+                overlap training)
+    checkpoint_local  local-tier saves (checkpoint.local.dir), likewise
     recomputed  steps an earlier launch trained after its last checkpoint and lost when it died;
                 this launch trains them again. Counted up to the last step it logged (so to within
                 train.log_every), at the mean time of its logged steps
@@ -23,7 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-CATEGORIES = ("startup", "restore", "compile", "train", "data_wait", "eval", "checkpoint", "recomputed")
+CATEGORIES = ("startup", "restore", "compile", "train", "data_wait", "eval", "checkpoint", "checkpoint_local",
+              "recomputed")
+PAUSES = ("eval", "checkpoint", "checkpoint_local")  # loop time that is not training
 
 _launch_started: Optional[float] = None
 
@@ -48,9 +52,10 @@ class Goodput:
     before: dict[str, float] = field(default_factory=dict)  # earlier launches' totals (and "wall")
     launches_before: int = 0
     recomputed_steps: int = 0
+    local_tier_spared_steps: int = 0  # steps a local-tier restore saved over the durable tier's newest
     loop_started: Optional[float] = None
     loop_ended: Optional[float] = None
-    _marks: list[dict[str, float]] = field(default_factory=list)  # eval and checkpoint seconds at loop start, end
+    _marks: list[dict[str, float]] = field(default_factory=list)  # PAUSES' seconds at loop start, end
 
     @contextlib.contextmanager
     def timing(self, category: str) -> Iterator[None]:
@@ -78,12 +83,12 @@ class Goodput:
             self.launches_before = 1
 
     def _mark(self) -> dict[str, float]:
-        return {c: self.spent[c] for c in ("eval", "checkpoint")}
+        return {c: self.spent[c] for c in PAUSES}
 
     def start_loop(self) -> None:
         self.loop_started = self.clock()
         self.spent["startup"] = max(0.0, self.loop_started - self.started - sum(
-            self.spent[c] for c in ("restore", "compile", "eval", "checkpoint")))
+            self.spent[c] for c in ("restore", "compile", *PAUSES)))
         self._marks = [self._mark()]
 
     def end_loop(self) -> None:
@@ -109,7 +114,8 @@ class Goodput:
         useful = totals["train"] - totals["recomputed"]
         out = {"goodput/percent": 100.0 * useful / totals["wall"] if totals["wall"] > 0 else 0.0,
                "goodput/launches": float(self.launches_before + 1),
-               "goodput/recomputed_steps": float(self.recomputed_steps)}
+               "goodput/recomputed_steps": float(self.recomputed_steps),
+               "goodput/local_tier_spared_steps": float(self.local_tier_spared_steps)}
         out.update({f"goodput/{k}_s": v for k, v in totals.items()})
         return out
 

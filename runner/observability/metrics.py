@@ -16,6 +16,7 @@ from rich.console import Console
 
 from runner.checkpoint import storage
 from runner.checkpoint.files import atomic_write, read_jsonl
+from runner.errors import first_line
 
 TENSORBOARD_DIR = "tensorboard"
 METRICS_FILE = "metrics.jsonl"
@@ -84,13 +85,26 @@ class JsonLines:
         self._lines.append(line)
         self._pending = True
         if self.clock() - self._uploaded >= self.upload_every_s:
-            self.sync()
+            try:
+                self.sync()
+            except storage.StorageUnavailable as err:  # kept, and tried again: a save needs it, not a step
+                self._uploaded = self.clock()
+                print(f"warning: {err}", file=sys.stderr, flush=True)
 
     def sync(self) -> None:
-        """Make every line written so far durable where readers look (a no-op locally)."""
-        if self._pending:
+        """Make every line written so far durable where readers look (a no-op locally); on an object
+        store that fails past its client's retries, StorageUnavailable (exit 75)."""
+        if not self._pending:
+            return
+        try:
             atomic_write(self.path, "".join(line + "\n" for line in self._lines))
-            self._pending, self._uploaded = False, self.clock()
+        except OSError as err:
+            if not self.remote:
+                raise
+            raise storage.StorageUnavailable(
+                f"Uploading {self.path} failed ({type(err).__name__}: {first_line(err, 300)}), retries included. "
+                "Fix: check the bucket and the network, then rerun the same command to resume.") from None
+        self._pending, self._uploaded = False, self.clock()
 
     def close(self) -> None:
         if self._file is not None:

@@ -35,6 +35,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         *([f"attention: {facts['attention']}"] if facts.get("attention") else []),
         *([facts["quantization"]] if facts.get("quantization") else []),
         *([facts["throughput"]] if facts.get("throughput") else []),
+        *([facts["checkpoints"]] if facts.get("checkpoints") else []),
     ]
 
 

@@ -77,6 +77,31 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
+def all_processes(flag: bool) -> bool:
+    """Whether `flag` is set on every process (call it on every process)."""
+    return not any_process(not flag)
+
+
+def common_steps(steps: list[int]) -> list[int]:
+    """The steps every process has (each passes its own list; call it on every process)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return sorted(steps)
+    width = int(np.max(multihost_utils.process_allgather(np.asarray([len(steps)]))))
+    if width == 0:
+        return []
+    padded = np.full((width,), -1, dtype=np.int32)
+    padded[:len(steps)] = steps
+    everyone = multihost_utils.process_allgather(padded)
+    common = set(int(s) for s in everyone[0] if s >= 0)
+    for row in everyone[1:]:
+        common &= {int(s) for s in row if s >= 0}
+    return sorted(common)
+
+
 def check_spec(spec: Any) -> None:
     """The distributed section: several processes need a coordinator and a process id (or a
     cluster JAX detects by itself), else each would train alone, silently."""

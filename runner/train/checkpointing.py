@@ -1,20 +1,29 @@
-"""A run's checkpoints as one loop component: it owns the cadence (it asks the save policy once per
-step: steps, time, best-K), saves when due, restores on start, makes a launch's final save and
-named snapshots. The checkpointer underneath (runner.checkpoint.checkpointer) stores; this
-decides when, and with what around it.
+"""A run's checkpoints as one loop component: it owns the cadence (it asks the save policies once
+per step: steps, time, best-K), saves when due, restores on start, makes a launch's final save and
+named snapshots. The stores underneath (runner.checkpoint.checkpointer for the durable tier in
+run.dir, runner.checkpoint.local_tier for checkpoint.local.dir) store; this decides when, which
+tier, and with what around it.
+
+Two tiers: a step due for the durable tier is saved there (it restores anywhere, so a local save
+of the same step adds nothing); a step due only for the local tier is saved locally. On start,
+every process agrees on the newest step that all of them hold locally; when that is at least as
+new as the durable tier's newest, it is restored from the local tier (checked, and on any
+process's failure set aside on every process), else the durable tier is restored as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 import jax
 
 from runner.checkpoint import checkpointer as ckpt
-from runner.checkpoint import storage
-from runner.parallel.distributed import any_process
+from runner.checkpoint import checksum, local_tier, storage
+from runner.errors import first_line
+from runner.parallel.distributed import all_processes, any_process, common_steps
 from runner.spec import ExecutionSpec
 from runner.train.loop import Component, Loop
 from runner.train.state import state_tree
@@ -28,10 +37,11 @@ class Saved(Protocol):
 
     state: Any
     step: int
+    mesh: Any
 
     def checkpoint_meta(self) -> dict[str, Any]: ...
 
-    def saving(self, step: int) -> ContextManager[None]: ...
+    def saving(self, step: int, tier: str = "durable") -> ContextManager[None]: ...
 
 
 class Checkpointing(Component):
@@ -41,7 +51,8 @@ class Checkpointing(Component):
 
     def __init__(self, spec: ExecutionSpec, run_dir: Any, owner: Saved, warn: Callable[[str], None] = print) -> None:
         self.spec, self.run_dir, self.owner, self.warn = spec, run_dir, owner, warn
-        self._due = False
+        self._due = self._local_due = False
+        self.durable_newest: Optional[int] = None  # the durable tier's newest step when the run started
 
     @functools.cached_property
     def checkpointer(self) -> ckpt.Checkpointer:
@@ -51,15 +62,40 @@ class Checkpointing(Component):
                                  agree_every=self.spec.distributed.stop_check_every)
         return ckpt.Checkpointer(self.run_dir / "checkpoints", self.spec.checkpoint, policy)
 
+    @functools.cached_property
+    def local(self) -> Optional[local_tier.LocalTier]:
+        """The local tier (checkpoint.local.dir), opened on first use; None when not configured."""
+        spec = self.spec.checkpoint.local
+        if not spec.dir:
+            return None
+        instance = local_tier.instance_id(self.run_dir)
+        if not instance:  # process 0 has just created it
+            ckpt.ocp.multihost.sync_global_processes("runner_local_tier_id")
+            instance = local_tier.instance_id(self.run_dir)
+        return local_tier.LocalTier(spec, local_tier.run_key(self.run_dir, instance),
+                                    local_tier.layout_key(self.owner.mesh), self.spec.checkpoint.async_save, self.warn)
+
+    @functools.cached_property
+    def local_policy(self) -> ckpt.SavePolicy:
+        return ckpt.SavePolicy(self.spec.checkpoint.local, warn=self.warn,  # type: ignore[arg-type]
+                               agree=any_process if jax.process_count() > 1 else None,
+                               agree_every=self.spec.distributed.stop_check_every)
+
     # ------------------------------------------------------------------ the loop's cadence
 
     def needs_metrics(self, loop: Loop, step: int) -> bool:
         self._due = step < loop.total and self.checkpointer.policy.due(step)  # the one question per step
-        return self._due
+        self._local_due = (not self._due and step < loop.total and self.local is not None
+                           and self.local_policy.due(step))
+        return self._due or self._local_due
 
     def after_step(self, loop: Loop, step: int) -> None:
-        if self._due and not loop.stopping:
+        if loop.stopping:
+            return
+        if self._due:
             self.save()
+        elif self._local_due:
+            self.save_local()
 
     # ------------------------------------------------------------------ saving
 
@@ -68,14 +104,45 @@ class Checkpointing(Component):
         step = self.owner.step
         if self.checkpointer.saved_step == step:
             return False
-        with self.owner.saving(step):
-            return self.checkpointer.save(step, state_tree(self.owner.state), self.owner.checkpoint_meta)
+        with self._durable(), self.owner.saving(step):
+            saved = self.checkpointer.save(step, state_tree(self.owner.state), self.owner.checkpoint_meta)
+        if saved and self.local is not None:
+            self.local_policy.saved(step)  # the durable save covers this step: the local cadence restarts
+        return saved
+
+    @contextlib.contextmanager
+    def _durable(self) -> Iterator[None]:
+        """Around every call on the durable tier: when its storage is unavailable (exit 75), keep
+        the current step in the local tier first, so the rerun loses nothing."""
+        try:
+            yield
+        except ckpt.StorageUnavailable as err:
+            local = self.local
+            if local is None or not local.usable:
+                raise
+            step = self.owner.step
+            local.save(step, state_tree(self.owner.state), self.owner.checkpoint_meta())
+            local.wait()
+            kept = step in local.steps()
+            raise ckpt.StorageUnavailable(
+                f"{err} " + (f"Step {step} is kept in the local tier ({local.directory})." if kept else
+                             "The local tier could not keep the current step either.")) from None
+
+    def save_local(self) -> bool:
+        """Save the owner's current step to the local tier (a failure there is a warning)."""
+        assert self.local is not None
+        step = self.owner.step
+        with self.owner.saving(step, tier="local"):
+            saved = self.local.save(step, state_tree(self.owner.state), self.owner.checkpoint_meta())
+        self.local_policy.saved(step)
+        return saved
 
     def save_final(self, suffix: Path | None = None) -> None:
         """A launch's last save, awaited; with `suffix`, also a snapshot of that name under
         <run.dir>/snapshots/, outside the keep policies."""
         self.save()
-        self.checkpointer.wait()
+        with self._durable():
+            self.wait()
         if suffix is not None:
             target = self.run_dir / SNAPSHOTS / suffix
             if jax.process_index() == 0:
@@ -84,6 +151,8 @@ class Checkpointing(Component):
 
     def wait(self) -> None:
         self.checkpointer.wait()
+        if "local" in self.__dict__ and self.local is not None:
+            self.local.wait()
 
     def note_evaluation(self, step: int, results: dict[str, float], complete: bool) -> None:
         """Tell the policy (best-K) what an evaluation found."""
@@ -97,7 +166,13 @@ class Checkpointing(Component):
         or with `suffix` the snapshot of that name (a number: that step of checkpoints/)."""
         tree = state_tree(abstract)
         if suffix is None:
-            return self.checkpointer.restore_latest(tree, self.spec.checkpoint.on_damaged, warn=self.warn, check=check)
+            self.durable_newest = self.checkpointer.latest_step()
+            restored = self._restore_local(tree, check) if self.local is not None else None
+            restored = restored or self.checkpointer.restore_latest(
+                tree, self.spec.checkpoint.on_damaged, warn=self.warn, check=check)
+            if self.local is not None:  # newer local steps of one process are a timeline being recomputed
+                self.local.drop_after(restored.step if restored else -1)
+            return restored
         suffix = Path(suffix)
         where = (self.checkpointer.directory / suffix.name) if suffix.name.isdigit() else \
             self.run_dir / SNAPSHOTS / suffix
@@ -105,7 +180,81 @@ class Checkpointing(Component):
         check(restored.meta)
         return restored
 
+    def _restore_local(self, tree: Any, check: Callable[[dict[str, Any]], None]) -> Optional[ckpt.Restored]:
+        """The newest step every process holds in its local tier, if at least as new as the durable
+        tier's; a step some process cannot read is dropped from every process's local tier."""
+        local = self.local
+        assert local is not None
+        steps = common_steps(local.steps())
+        for step in reversed(steps):
+            if self.durable_newest is not None and step < self.durable_newest:
+                break
+            meta, problem = self._read_local(lambda: local.read_meta(step))
+            if all_processes(problem is None):
+                check(meta)  # the same model and data (the same answer on every process)
+                state, problem = self._read_local(lambda: local.restore(step, tree, meta))
+                if all_processes(problem is None):
+                    problem = self._verify(state, meta)
+                    if problem is None:
+                        self.checkpointer.policy.best = dict(meta.get("best") or {})
+                        local.saved_step = step
+                        return ckpt.Restored(step=step, state=state, meta=meta, tier="local", location=local.directory)
+            self.warn(f"local checkpoint step {step} cannot be restored on every process "
+                      f"({problem or 'another process could not read it'}); it is dropped and an older one used")
+            local.drop(step)
+        return None
+
+    @staticmethod
+    def _read_local(read: Callable[[], Any]) -> tuple[Any, Optional[str]]:
+        try:
+            return read(), None
+        except Exception as err:  # a lost, truncated or foreign local checkpoint: any error orbax raises
+            return None, f"{type(err).__name__}: {first_line(err, 200)}"
+
+    @staticmethod
+    def _verify(state: Any, meta: dict[str, Any]) -> Optional[str]:
+        """The checksums of a local restore (collective: the same answer on every process)."""
+        try:
+            checksum.verify(state, meta.get("checksums"))
+            return None
+        except checksum.ChecksumMismatch as err:
+            return str(err)
+
+    def restored_from(self, restored: ckpt.Restored) -> str:
+        """Where a restore came from, for the progress line and the run card."""
+        if restored.tier != "local":
+            return f"{restored.location}"
+        newer = restored.step - (self.durable_newest or 0)
+        durable = f"step {self.durable_newest}" if self.durable_newest is not None else "none"
+        return (f"local tier {restored.location}; the durable tier's newest: {durable}, so {newer} steps not "
+                "recomputed")
+
+    def describe(self, restored_step: Optional[int], restored_from: str) -> str:
+        """The run card's line: each tier's cadence and where this launch restored from."""
+        c = self.spec.checkpoint
+
+        def cadence(spec: Any) -> str:
+            parts = [f"every {spec.every_steps} steps"] if spec.every_steps else []
+            parts += [f"every {spec.every_minutes:g} min"] if spec.every_minutes else []
+            return " and ".join(parts) or "at the end of each launch"
+
+        line = f"checkpoints: durable {cadence(c)}, keep {c.keep}, in {self.checkpointer.directory}"
+        if self.local is not None:
+            line += f"; local {cadence(c.local)}, keep {c.local.keep}, in {self.local.directory}"
+            if self.local.skipped:
+                line += f" ({self.local.skipped} local saves skipped)"
+        if restored_step:
+            line += f"; restored step {restored_step} from {restored_from}"
+        return line
+
+    def forget_stale_local(self) -> None:
+        """After the restore: other layouts' and deleted runs' local checkpoints can never be used."""
+        if self.local is not None:
+            self.local.forget_other_layouts()
+
     def close(self) -> None:
         if "checkpointer" in self.__dict__:
             self.checkpointer.close()
+        if self.__dict__.get("local") is not None:
+            self.local.close()
 

@@ -94,6 +94,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.state: Optional[TrainState] = None
         self.step = 0
         self.restored_step: Optional[int] = None
+        self.restored_from = ""  # where the restore came from (tier and directory)
         self.wandb_run_id: Optional[str] = None
         self.last_metrics: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
@@ -231,6 +232,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.model_shapes = st.model_shapes(abstract.params)
         with self.goodput.timing("restore"):
             restored = self.checkpoints.restore(abstract, suffix, check=self.check_compatible)
+        self.checkpoints.forget_stale_local()
         if restored is None:
             self.state = self.program.init_state()
             if self.spec.run.init_from:
@@ -245,6 +247,9 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             self.wandb_run_id = restored.meta.get("wandb_run_id")
             lost = truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
             self.goodput.carry(restored.meta.get("goodput"), lost, self.step)
+            self.restored_from = self.checkpoints.restored_from(restored)
+            if restored.tier == "local":
+                self.goodput.local_tier_spared_steps = self.step - (self.checkpoints.durable_newest or 0)
         self.callbacks("on_init_end", self)
         return restored is not None
 
@@ -276,13 +281,13 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return self.checkpoints.checkpointer
 
     @contextlib.contextmanager
-    def saving(self, step: int) -> Iterator[None]:
+    def saving(self, step: int, tier: str = "durable") -> Iterator[None]:
         """Around every save: the callbacks, the metrics it covers logged before it can commit,
-        and its time counted as checkpointing (runner.train.checkpointing calls this)."""
+        and its time counted as checkpointing, per tier (runner.train.checkpointing calls this)."""
         self.callbacks("on_save_start", self, step=step)
         if self.logger is not None:
             self.logger.sync()
-        with self.goodput.timing("checkpoint"):
+        with self.goodput.timing("checkpoint" if tier == "durable" else "checkpoint_local"):
             yield
         self.callbacks("on_save_end", self, step=step)
 
@@ -412,7 +417,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         try:
             self.callbacks("on_train_start", self)
             if self.restored_step:
-                logger.progress.message(f"resumed from step {self.restored_step} ({self.checkpointer.directory})")
+                logger.progress.message(f"resumed from step {self.restored_step} ({self.restored_from})")
             with self.goodput.timing("eval"):
                 self.prepare_evaluators()
             with self.goodput.timing("compile"):
@@ -487,12 +492,15 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 self._facts["active_parameters"] = active
             if getattr(self, "attention", ""):
                 self._facts["attention"] = self.attention
+            self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
             if getattr(self, "quantization", ""):
                 self._facts["quantization"] = self.quantization
                 for warning in self.quantization_warnings():
                     self.warn(warning)
             for line in runcard.summary_lines(self._facts):
                 self.logger.progress.message(line)
+        else:  # the tiers' line again, with the local saves this launch had to skip
+            self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
         if jax.process_index() == 0:
             runcard.write(self.run_dir, self.spec, self._facts,
                           {**self.last_metrics, **self.last_eval} if final else None)

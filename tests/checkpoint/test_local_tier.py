@@ -1,0 +1,165 @@
+"""The local checkpoint tier (checkpoint.local.*): saves each process's shards on its own host,
+restores from the newest step every process holds, and never at the cost of the durable tier."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runner.errors import ConfigError
+from tests.conftest import TINY, read_metrics, run_runner, runner_env
+from tests.test_spec import spec_for
+from tests.train.test_multiprocess import finish, launch
+from tests.train.test_restore import params_of
+
+STEPS = 16
+TIERS = ["checkpoint.every_steps=8", "checkpoint.local.every_steps=2"]
+BASE = [*TINY, f"train.steps={STEPS}", "eval.every=0", "optimizer.lr=1e-2", "checkpoint.keep=5"]
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["checkpoint.local.dir=gs://b/x", "checkpoint.local.every_steps=2"], "checkpoint.local.dir", "local path"),
+    (["checkpoint.local.dir=/tmp/x"], "checkpoint.local.dir", "never save"),
+    (["checkpoint.local.dir=/tmp/x", "checkpoint.local.every_steps=2", "checkpoint.local.keep=0"],
+     "checkpoint.local.keep", "> 0"),
+    (["checkpoint.local.every_minutes=-1"], "checkpoint.local.every_minutes", ">= 0"),
+])
+def test_settings_the_local_tier_cannot_honour_are_refused(overrides, key, words) -> None:
+    with pytest.raises(ConfigError) as info:
+        spec_for(*overrides)
+    assert info.value.key == key and words in str(info.value)
+
+
+def test_an_unknown_local_tier_setting_is_refused() -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="replicas"):
+        spec_for("checkpoint.local.replicas=2")
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def local_steps(root: Path) -> dict[str, list[int]]:
+    """{process-i: committed steps} under a checkpoint.local.dir."""
+    return {p.name: sorted(int(s.name) for s in p.iterdir() if s.name.isdigit() and (s / "commit_success.txt").exists())
+            for p in sorted(root.glob("*/*/process-*"))}
+
+
+def durable_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def assert_bitwise(a: Path, b: Path) -> None:
+    la = {r["step"]: r["loss"] for r in read_metrics(a) if "loss" in r}
+    lb = {r["step"]: r["loss"] for r in read_metrics(b) if "loss" in r}
+    assert la == lb and sorted(la) == list(range(1, STEPS + 1))
+    for x, y in zip(params_of(a, STEPS), params_of(b, STEPS), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def launched(args: list[str], tmp_path: Path, **env: str) -> list[tuple[int, str, str]]:
+    return finish(launch(args, tmp_path, **env), timeout=300)
+
+
+def killed(results: list[tuple[int, str, str]]) -> None:
+    codes = [code for code, _, _ in results]
+    assert -signal.SIGKILL in codes and 0 not in codes, [r[2][-2000:] for r in results]
+
+
+@pytest.fixture(scope="module")
+def two_process_reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("ref")
+    for code, _, stderr in launched([*BASE, "run.dir=run", "checkpoint.every_steps=8"], tmp):
+        assert code == 0, stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.e2e
+def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, two_process_reference) -> None:
+    local = tmp_path / "local"
+    args = [*BASE, *TIERS, "run.dir=run", f"checkpoint.local.dir={local}"]
+
+    # 1. killed while the local save of step 12 is being written (that save waited for 10's)
+    killed(launched(args, tmp_path, RUNNER_FAULT="kill_after_save:12"))
+    assert durable_steps(tmp_path / "run") == [8]
+    held = local_steps(local)
+    assert set(held) == {"process-0", "process-1"} and all(10 in steps for steps in held.values()), held
+    newest = max(set.intersection(*(set(s) for s in held.values())))  # 12 if both committed it in time
+
+    # 2. the newest step both hold locally is newer than the durable tier's 8: restored from there
+    second = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:13")
+    killed(second)
+    assert f"resumed from step {newest} (local tier {local}" in second[0][1], second[0][1][-2000:]
+    assert f"the durable tier's newest: step 8, so {newest - 8} steps not recomputed" in second[0][1]
+    # (each process dies at step 13 once its own saves are written; the other one may be cut
+    # short by its partner's death, like hosts of a preempted slice)
+    assert 12 in local_steps(local)["process-0"]
+
+    # 3. a replaced host: process 1's local checkpoints are gone, so step 12 is not complete
+    #    anywhere and the durable tier's 8 is restored (process 0's newer local steps are dropped)
+    shutil.rmtree(next(local.glob("*/*/process-1")))
+    third = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:11")
+    killed(third)
+    assert f"resumed from step 8 ({tmp_path / 'run' / 'checkpoints'})" in third[0][1], third[0][1][-2000:]
+    assert local_steps(local)["process-0"] == [10], local_steps(local)  # 12 dropped: a future being redone
+
+    # 4. another process count: the local shards (of two processes) do not fit one process with
+    #    four devices, which restores the durable tier, resharded, and removes the stale layout
+    other = run_runner([*args, "train.steps=9"], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:9")
+    assert other.returncode == -signal.SIGKILL, other.stderr[-3000:]
+    assert f"resumed from step 8 ({tmp_path / 'run' / 'checkpoints'})" in other.stdout
+    assert list(local_steps(local)) == ["process-0"] and len(list(local.glob("*/*"))) == 1
+
+    # 5. back on two processes, to the end
+    final = launched(args, tmp_path)
+    for code, _, stderr in final:
+        assert code == 0, stderr[-3000:]
+    assert "resumed from step 8 (" in final[0][1]
+    assert_bitwise(tmp_path / "run", two_process_reference)
+    card = (tmp_path / "run" / "RUN_CARD.md").read_text()
+    assert "local every 2 steps, keep 2" in card
+    goodput = [r for r in read_metrics(tmp_path / "run") if "goodput/launches" in r][-1]
+    assert goodput["goodput/checkpoint_local_s"] > 0 and goodput["goodput/checkpoint_s"] > 0
+
+
+@pytest.mark.e2e
+def test_a_full_local_disk_skips_that_tier_and_training_goes_on(tmp_path) -> None:
+    """checkpoint.local.dir on a 256 KiB tmpfs (in a private mount namespace), smaller than one
+    local save: every local save fails, is warned about once, leaves nothing behind, and the run
+    finishes on the durable tier exactly as a run without a local tier."""
+    small = tmp_path / "small"
+    small.mkdir()
+    args = [*BASE, *TIERS, "run.dir=run"]
+    namespace = ["unshare", "--mount", "--propagation", "private"] if _root() else \
+        ["unshare", "--user", "--map-root-user", "--mount"]
+    runner = " ".join(f"'{a}'" for a in [*args, f"checkpoint.local.dir={small}"])
+    script = (f"mount -t tmpfs -o size=256k tmpfs {small} && {sys.executable} -m runner {runner}; code=$?; "
+              f"echo files left: $(find {small} -type f | wc -l); exit $code")
+    result = subprocess.run([*namespace, "sh", "-c", script], cwd=tmp_path, env=runner_env(tmp_path),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("warning: local checkpoint tier") == 1, result.stdout[-3000:]
+    assert "That local save is skipped and training continues" in result.stdout
+    assert "No space left on device" in result.stdout or "RESOURCE_EXHAUSTED" in result.stdout
+    assert "(6 local saves skipped)" in (tmp_path / "run" / "RUN_CARD.md").read_text()  # 2, 4, 6, 10, 12, 14
+    assert "files left: 0" in result.stdout  # no partial save keeps the small disk full
+    assert durable_steps(tmp_path / "run") == [8, 16]
+    plain = run_runner([*args, "run.dir=plain", "checkpoint.local.dir="], tmp_path)
+    assert plain.returncode == 0
+    assert_bitwise(tmp_path / "run", tmp_path / "plain")
+
+
+def _root() -> bool:
+    import os
+
+    return os.geteuid() == 0
