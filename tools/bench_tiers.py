@@ -2,7 +2,7 @@
 and goodput under a preemption schedule, with and without the local tier.
 
     python tools/bench_tiers.py stall --job llama_150m --steps 13 --every 4 --out docs/bench_tiers.jsonl
-    python tools/bench_tiers.py preempt --kill-every 4 --out docs/bench_tiers.jsonl
+    python tools/bench_tiers.py preempt --kill-every 12 --out docs/bench_tiers.jsonl
 
 `stall` trains the job twice in one process tree, side by side: saving every `--every` steps to
 gs:// (a GCS emulator on localhost, fake-gcs-server, started here unless STORAGE_EMULATOR_HOST
@@ -175,7 +175,12 @@ def preempt(opts: argparse.Namespace) -> None:
     for name, extra in (("durable", []), ("tiers", [f"checkpoint.local.dir={work / 'local'}",
                                                     f"checkpoint.local.every_steps={opts.local_every}"])):
         run_dir = work / name
-        codes = list(launches([*base, f"run.dir={run_dir}", *extra], env, opts.kill_every))
+        codes = []
+        for code in launches([*base, f"run.dir={run_dir}", *extra], env, opts.kill_every):
+            codes.append(code)
+            if len(codes) >= opts.max_launches and code != 0:
+                raise SystemExit(f"{name}: not finished after {len(codes)} launches; the durable cadence is longer "
+                                 "than a launch trains (--durable-every, --kill-every)")
         m = last_metrics(run_dir, None)
         results[name] = {"goodput_percent": m["goodput/percent"], "launches": len(codes),
                          "recomputed_s": m["goodput/recomputed_s"], "train_s": m["goodput/train_s"],
@@ -202,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--local-dir", default="")
     p.add_argument("--small-job", default="gpt_tiny")
-    p.add_argument("--train-steps", type=int, default=3000)
-    p.add_argument("--durable-every", type=int, default=1000)
-    p.add_argument("--local-every", type=int, default=50)
-    p.add_argument("--kill-every", type=float, default=4.0, help="seconds of training per launch before SIGKILL")
+    p.add_argument("--train-steps", type=int, default=1000)
+    p.add_argument("--durable-every", type=int, default=200)
+    p.add_argument("--local-every", type=int, default=20)
+    p.add_argument("--kill-every", type=float, default=12.0, help="seconds of training per launch before SIGKILL")
+    p.add_argument("--max-launches", type=int, default=30, help="give up (a schedule that never finishes)")
     p.add_argument("--override", action="append", default=[], help="another runner override (repeatable)")
     p.add_argument("--out", default=None, help="append the JSON record to this file")
     opts = p.parse_args(argv)

@@ -68,10 +68,10 @@ class Checkpointing(Component):
         spec = self.spec.checkpoint.local
         if not spec.dir:
             return None
-        instance = local_tier.instance_id(self.run_dir)
-        if not instance:  # process 0 has just created it
+        instance = local_tier.instance_id(self.run_dir)  # process 0 creates it on the run's first launch
+        if jax.process_count() > 1:  # every process, so none reads it before process 0 has written it
             ckpt.ocp.multihost.sync_global_processes("runner_local_tier_id")
-            instance = local_tier.instance_id(self.run_dir)
+        instance = instance or local_tier.instance_id(self.run_dir)
         return local_tier.LocalTier(spec, local_tier.run_key(self.run_dir, instance),
                                     local_tier.layout_key(self.owner.mesh), self.spec.checkpoint.async_save, self.warn)
 
