@@ -4,7 +4,8 @@ Layout under the run directory::
 
     checkpoints/<step>/state/   orbax StandardSave of {"step", "params", "opt_state", "rng"}
     checkpoints/<step>/meta/    JSON: step, the resolved spec, data fingerprint, model shapes,
-                                tracker run id, best-metric bookkeeping
+                                tracker run id, best-metric bookkeeping, and a checksum per
+                                array (runner.checkpoint.checksum), checked on every restore
 
 Orbax writes each step into a temporary directory and renames it on commit (on gs://, where a
 rename is a copy, into the step directory itself, committed by a final commit_success.txt), so

@@ -70,6 +70,9 @@ def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)  # asyncio's "never retrieved", "Exception ignored in <coroutine>", "Event loop is closed"
     sys.stderr = open(os.devnull, "w")
+    if code == PREEMPTED_EXIT_CODE:  # storage unavailable: its clients' threads may retry for many minutes
+        sys.stdout.flush()
+        os._exit(code)
     sys.exit(code)
 
 

@@ -273,11 +273,11 @@ def test_permission_denied_is_one_paragraph(monkeypatch, gcs) -> None:
 def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_bitwise(tmp_path, gcs,
                                                                                        reference) -> None:
     """Every request to the bucket passes a proxy that answers 503 or 429 to 5% of them and holds
-    2% for 1 s: gcsfs (metrics, run files) and tensorstore (checkpoint arrays) retry with backoff,
+    2% for 0.5 s: gcsfs (metrics, run files) and tensorstore (checkpoint arrays) retry with backoff,
     through a kill and a restore, and the parameters end bit-exact with a clean local run."""
     from tests.checkpoint.faulty_proxy import Faults, FaultyProxy
 
-    faults = Faults(error_share=0.05, stall_share=0.02, stall_s=1.0, seed=3)
+    faults = Faults(error_share=0.05, stall_share=0.02, stall_s=0.5, seed=3)
     url = f"gs://{gcs.bucket()}/flaky"
     args = [*BASE, f"run.dir={url}"]
     with FaultyProxy(gcs.url, faults) as proxy:
@@ -303,7 +303,7 @@ def test_a_bucket_that_stays_down_stops_the_run_with_75_after_keeping_the_local_
     url = f"gs://{gcs.bucket()}/down"
     faults = Faults(down_from="down/checkpoints/16")
     args = [*BASE, f"run.dir={url}", f"checkpoint.local.dir={tmp_path / 'local'}", "checkpoint.local.every_steps=2",
-            "checkpoint.storage_timeout_minutes=0.5"]
+            "checkpoint.storage_timeout_minutes=0.15"]
     with FaultyProxy(gcs.url, faults) as proxy:
         env = {storage.EMULATOR: proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
         stopped = run_runner(args, tmp_path, timeout=600, **env)

@@ -17,6 +17,7 @@ from tests.conftest import TINY, read_metrics, run_runner, runner_env
 from tests.test_spec import spec_for
 from tests.train.test_multiprocess import finish, launch
 from tests.train.test_restore import params_of
+from tests.train.test_restore import reference  # noqa: F401 (a fixture: the uninterrupted 24-step run)
 
 STEPS = 16
 TIERS = ["checkpoint.every_steps=8", "checkpoint.local.every_steps=2"]
@@ -163,3 +164,28 @@ def _root() -> bool:
     import os
 
     return os.geteuid() == 0
+
+
+@pytest.mark.e2e
+def test_a_damaged_local_checkpoint_is_dropped_for_the_previous_one(tmp_path, reference) -> None:
+    """One process; killed at step 13 with local steps 10 and 12. A bit flipped in step 12's
+    largest array file (orbax reads it without complaint, or fails): the checksums (or the read)
+    reject it, it is dropped, step 10 is restored from the local tier, and the run ends bit-exact."""
+    from tests.train.test_restore import BASE as RESTORE_BASE
+    from tests.train.test_restore import assert_same_run
+
+    local = tmp_path / "local"
+    args = [*RESTORE_BASE, "run.dir=run", f"checkpoint.local.dir={local}", "checkpoint.local.every_steps=2"]
+    first = run_runner(args, tmp_path, RUNNER_FAULT="kill_at_step:13")
+    assert first.returncode == -signal.SIGKILL
+    assert local_steps(local) == {"process-0": [10, 12]}
+    step_dir = next(local.glob("*/*/process-0/12"))
+    victim = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    again = run_runner(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "local checkpoint step 12 cannot be restored on every process" in again.stdout, again.stdout[-3000:]
+    assert "resumed from step 10 (local tier" in again.stdout
+    assert_same_run(tmp_path / "run", reference)
