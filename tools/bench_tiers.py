@@ -219,15 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         preempt(opts)
         return 0
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    server = None
+    server, objects = None, None
     if not emulator:
-        server, emulator = start_emulator(Path(tempfile.mkdtemp(prefix="bench-gcs-")))
+        objects = Path(tempfile.mkdtemp(prefix="bench-gcs-"))  # gigabytes of checkpoints: removed below
+        server, emulator = start_emulator(objects)
     try:
         stall(opts, emulator)
     finally:
         if server is not None:
             server.terminate()
             server.wait(timeout=10)
+        if objects is not None:
+            shutil.rmtree(objects, ignore_errors=True)
     return 0
 
 

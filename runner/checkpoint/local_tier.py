@@ -173,8 +173,9 @@ class LocalTier:
     def _discard(self, step: int) -> None:
         """Remove a failed save's partial files (orbax's temporary directory for it), so a full
         disk is not kept full by them."""
-        for leftover in self.directory.glob(f"{step}*"):
-            if leftover.name != str(step) or not (leftover / "commit_success.txt").exists():
+        # orbax writes <step>.orbax-checkpoint-tmp* and renames it to <step> on commit
+        for leftover in [self.directory / str(step), *self.directory.glob(f"{step}.*")]:
+            if leftover.exists() and not (leftover / "commit_success.txt").exists():
                 shutil.rmtree(leftover, ignore_errors=True)
 
     def wait(self) -> None:

@@ -286,7 +286,13 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         and its time counted as checkpointing, per tier (runner.train.checkpointing calls this)."""
         self.callbacks("on_save_start", self, step=step)
         if self.logger is not None:
-            self.logger.sync()
+            try:
+                self.logger.sync()
+            except ckpt.StorageUnavailable as err:  # the durable tier stops the run; a local save still protects it
+                if tier == "durable":
+                    raise
+                self.warn(f"{err} The local save of step {step} goes ahead; its metrics stay in memory until an "
+                          "upload succeeds.")
         with self.goodput.timing("checkpoint" if tier == "durable" else "checkpoint_local"):
             yield
         self.callbacks("on_save_end", self, step=step)

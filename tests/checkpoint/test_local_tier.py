@@ -47,6 +47,31 @@ def test_an_unknown_local_tier_setting_is_refused() -> None:
         spec_for("checkpoint.local.replicas=2")
 
 
+def test_a_failed_local_save_removes_only_its_own_leftovers(tmp_path) -> None:
+    """In-process: steps 10 and 12 committed, then the partial files of a failed save of step 1
+    (an orbax temporary directory and an uncommitted step directory) are removed; 10 and 12 stay
+    and restore."""
+    import jax.numpy as jnp
+
+    from runner.checkpoint.checkpointer import abstract_like
+    from runner.checkpoint.local_tier import LocalTier
+    from runner.spec import LocalCheckpointSpec
+
+    tier = LocalTier(LocalCheckpointSpec(dir=str(tmp_path), every_steps=2, keep=3), "run-x", "1proc-y", async_save=False)
+    state = {"w": jnp.arange(6.0), "step": jnp.asarray(0)}
+    for step in (10, 12):
+        assert tier.save(step, {**state, "step": jnp.asarray(step)}, {"step": step})
+    (tier.directory / "1.orbax-checkpoint-tmp-123" / "state").mkdir(parents=True)
+    (tier.directory / "1" / "state").mkdir(parents=True)
+    tier._discard(1)
+    assert sorted(p.name for p in tier.directory.iterdir()) == ["10", "12"]
+    meta = tier.read_meta(12)
+    assert meta["step"] == 12 and meta["tier"] == "local" and set(meta["checksums"]) == {"['step']", "['w']"}
+    restored = tier.restore(12, abstract_like(state), meta)
+    assert int(restored["step"]) == 12
+    tier.close()
+
+
 # ----------------------------------------------------------------------------- runs
 
 
