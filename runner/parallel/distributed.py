@@ -82,24 +82,43 @@ def all_processes(flag: bool) -> bool:
     return not any_process(not flag)
 
 
-def common_steps(steps: list[int]) -> list[int]:
-    """The steps every process has (each passes its own list; call it on every process)."""
+def steps_by_process(steps: list[int]) -> dict[int, frozenset[int]]:
+    """{step: the processes that have it} over every process's `steps` (each passes its own
+    list; call it on every process)."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
-        return sorted(steps)
+        return {int(s): frozenset({0}) for s in steps}
     width = int(np.max(multihost_utils.process_allgather(np.asarray([len(steps)]))))
     if width == 0:
-        return []
+        return {}
     padded = np.full((width,), -1, dtype=np.int32)
     padded[:len(steps)] = steps
     everyone = multihost_utils.process_allgather(padded)
-    common = set(int(s) for s in everyone[0] if s >= 0)
-    for row in everyone[1:]:
-        common &= {int(s) for s in row if s >= 0}
-    return sorted(common)
+    held: dict[int, set[int]] = {}
+    for process, row in enumerate(everyone):
+        for s in row:
+            if s >= 0:
+                held.setdefault(int(s), set()).add(process)
+    return {s: frozenset(p) for s, p in held.items()}
+
+
+def from_process(source: int, text: str | None) -> str:
+    """`text` as process `source` has it, on every process (call it on every process)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return text or ""
+    mine = jax.process_index() == source
+    data = np.frombuffer((text or "").encode(), dtype=np.uint8) if mine else np.zeros((0,), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(len(data), np.int32), is_source=mine))
+    padded = np.zeros((size,), np.uint8)
+    padded[:len(data)] = data[:size]
+    return bytes(multihost_utils.broadcast_one_to_all(padded, is_source=mine)).decode()
 
 
 def check_spec(spec: Any) -> None:

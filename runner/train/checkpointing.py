@@ -6,24 +6,26 @@ tier, and with what around it.
 
 Two tiers: a step due for the durable tier is saved there (it restores anywhere, so a local save
 of the same step adds nothing); a step due only for the local tier is saved locally. On start,
-every process agrees on the newest step that all of them hold locally; when that is at least as
-new as the durable tier's newest, it is restored from the local tier (checked, and on any
-process's failure set aside on every process), else the durable tier is restored as before.
+every process agrees on the newest local step that all of them can restore (from their own
+shards, or, for a process without them, from the copies other processes hold); when that is at
+least as new as the durable tier's newest, it is restored from the local tier (checked, and on
+any process's failure set aside on every process), else the durable tier is restored as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 import jax
 
 from runner.checkpoint import checkpointer as ckpt
-from runner.checkpoint import checksum, local_tier, storage
+from runner.checkpoint import checksum, local_tier, replicas, storage
 from runner.errors import first_line
-from runner.parallel.distributed import all_processes, any_process, common_steps
+from runner.parallel.distributed import all_processes, any_process, from_process, steps_by_process
 from runner.spec import ExecutionSpec
 from runner.train.loop import Component, Loop
 from runner.train.state import state_tree
@@ -53,6 +55,8 @@ class Checkpointing(Component):
         self.spec, self.run_dir, self.owner, self.warn = spec, run_dir, owner, warn
         self._due = self._local_due = False
         self.durable_newest: Optional[int] = None  # the durable tier's newest step when the run started
+        self.rebuilt_for: Optional[list[int]] = None  # processes whose local shards came from other processes'
+        self.rebuilt_from: list[int] = []
 
     @functools.cached_property
     def checkpointer(self) -> ckpt.Checkpointer:
@@ -181,28 +185,62 @@ class Checkpointing(Component):
         return restored
 
     def _restore_local(self, tree: Any, check: Callable[[dict[str, Any]], None]) -> Optional[ckpt.Restored]:
-        """The newest step every process holds in its local tier, if at least as new as the durable
-        tier's; a step some process cannot read is dropped from every process's local tier."""
+        """The newest local step that is at least as new as the durable tier's and that every
+        process can restore: from its own shards, or, on a process that lacks the step (a
+        replaced host, or one killed before that save committed), from copies of its shards that
+        other processes hold (runner.checkpoint.replicas). A step that cannot be read or checked
+        is dropped from every process's local tier."""
         local = self.local
         assert local is not None
-        steps = common_steps(local.steps())
-        for step in reversed(steps):
+        held = steps_by_process(local.steps())
+        everyone = frozenset(range(jax.process_count()))
+        for step in sorted(held, reverse=True):
             if self.durable_newest is not None and step < self.durable_newest:
                 break
-            meta, problem = self._read_local(lambda: local.read_meta(step))
-            if all_processes(problem is None):
-                check(meta)  # the same model and data (the same answer on every process)
-                state, problem = self._read_local(lambda: local.restore(step, tree, meta))
-                if all_processes(problem is None):
-                    problem = self._verify(state, meta)
-                    if problem is None:
-                        self.checkpointer.policy.best = dict(meta.get("best") or {})
-                        local.saved_step = step
-                        return ckpt.Restored(step=step, state=state, meta=meta, tier="local", location=local.directory)
+            holders = held[step]
+            if holders != everyone:
+                devices = {d.id for d in self.owner.mesh.devices.flat if d.process_index in holders}
+                lost = replicas.unreplicated(tree, devices)
+                if lost:
+                    self.warn(f"local checkpoint step {step} is held by process(es) {_listed(holders)} only, and "
+                              f"the mesh keeps no copy of the others' shards of {len(lost)} array(s) (e.g. "
+                              f"{lost[0]}) on them (no data-parallel replica across hosts); an older step is used")
+                    continue
+            restored, problem = self._restore_local_step(step, holders, tree, check)
+            if restored is not None:
+                return restored
             self.warn(f"local checkpoint step {step} cannot be restored on every process "
                       f"({problem or 'another process could not read it'}); it is dropped and an older one used")
             local.drop(step)
         return None
+
+    def _restore_local_step(self, step: int, holders: frozenset[int], tree: Any,
+                            check: Callable[[dict[str, Any]], None]) -> tuple[Optional[ckpt.Restored], Optional[str]]:
+        """One local step on every process (collective); a process not in `holders` gets its
+        shards from the holders' copies and the record from the lowest holder."""
+        local = self.local
+        assert local is not None
+        mine, rebuilt = jax.process_index() in holders, len(holders) < jax.process_count()
+        meta, problem = self._read_local(lambda: local.read_meta(step)) if mine else (None, None)
+        if not all_processes(problem is None):
+            return None, problem
+        if rebuilt:  # every process restores with the same record
+            meta = json.loads(from_process(min(holders), json.dumps(meta) if mine else None))
+        check(meta)  # the same model and data (the same answer on every process)
+        state, problem = self._read_local(lambda: local.restore(step, tree, meta)) if mine else \
+            (replicas.zeros(tree), None)
+        if not all_processes(problem is None):
+            return None, problem
+        if rebuilt:
+            state = replicas.rebuild(state, {d.id for d in self.owner.mesh.devices.flat if d.process_index in holders})
+        problem = self._verify(state, meta)
+        if problem is not None:
+            return None, problem
+        self.checkpointer.policy.best = dict(meta.get("best") or {})
+        local.saved_step = step if mine else None
+        self.rebuilt_for = None if not rebuilt else sorted(set(range(jax.process_count())) - holders)
+        self.rebuilt_from = sorted(holders)
+        return ckpt.Restored(step=step, state=state, meta=meta, tier="local", location=local.directory), None
 
     @staticmethod
     def _read_local(read: Callable[[], Any]) -> tuple[Any, Optional[str]]:
@@ -226,7 +264,9 @@ class Checkpointing(Component):
             return f"{restored.location}"
         newer = restored.step - (self.durable_newest or 0)
         durable = f"step {self.durable_newest}" if self.durable_newest is not None else "none"
-        return (f"local tier {restored.location}; the durable tier's newest: {durable}, so {newer} steps not "
+        rebuilt = "" if not self.rebuilt_for else \
+            f"; process {_listed(self.rebuilt_for)}'s shards rebuilt from the copies on process {_listed(self.rebuilt_from)}"
+        return (f"local tier {restored.location}{rebuilt}; the durable tier's newest: {durable}, so {newer} steps not "
                 "recomputed")
 
     def describe(self, restored_step: Optional[int], restored_from: str) -> str:
@@ -258,3 +298,6 @@ class Checkpointing(Component):
         if self.__dict__.get("local") is not None:
             self.local.close()
 
+
+def _listed(processes: Any) -> str:
+    return ", ".join(str(p) for p in sorted(processes))

@@ -120,9 +120,11 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
     assert durable_steps(tmp_path / "run") == [8]
     held = local_steps(local)
     assert set(held) == {"process-0", "process-1"} and all(10 in steps for steps in held.values()), held
-    newest = max(set.intersection(*(set(s) for s in held.values())))  # 12 if both committed it in time
+    # 12 if either committed it in time: the state is replicated over the data axis (the default
+    # mesh, data=4 across both processes), so one process's copy of a step is the whole step
+    newest = max(set.union(*(set(s) for s in held.values())))
 
-    # 2. the newest step both hold locally is newer than the durable tier's 8: restored from there
+    # 2. the newest step is newer than the durable tier's 8: restored from the local tier
     second = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:13")
     killed(second)
     assert f"resumed from step {newest} (local tier {local}" in second[0][1], second[0][1][-2000:]
@@ -131,13 +133,14 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
     # short by its partner's death, like hosts of a preempted slice)
     assert 12 in local_steps(local)["process-0"]
 
-    # 3. a replaced host: process 1's local checkpoints are gone, so step 12 is not complete
-    #    anywhere and the durable tier's 8 is restored (process 0's newer local steps are dropped)
+    # 3. a replaced host: process 1's local checkpoints are gone; process 0's copy of step 12
+    #    holds every shard process 1 needs, so 12 is restored, process 1's shards rebuilt from it
     shutil.rmtree(next(local.glob("*/*/process-1")))
-    third = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:11")
+    third = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:15")
     killed(third)
-    assert f"resumed from step 8 ({tmp_path / 'run' / 'checkpoints'})" in third[0][1], third[0][1][-2000:]
-    assert local_steps(local)["process-0"] == [10], local_steps(local)  # 12 dropped: a future being redone
+    assert ("resumed from step 12 (local tier" in third[0][1] and "process 1's shards rebuilt from the copies on "
+            "process 0; the durable tier's newest: step 8, so 4 steps not recomputed" in third[0][1]), third[0][1][-2000:]
+    assert 14 in local_steps(local)["process-0"], local_steps(local)
 
     # 4. another process count: the local shards (of two processes) do not fit one process with
     #    four devices, which restores the durable tier, resharded, and removes the stale layout
@@ -156,6 +159,47 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
     assert "local every 2 steps, keep 2" in card
     goodput = [r for r in read_metrics(tmp_path / "run") if "goodput/launches" in r][-1]
     assert goodput["goodput/checkpoint_local_s"] > 0 and goodput["goodput/checkpoint_s"] > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mesh, replicated", [(["mesh.data=2", "mesh.fsdp=2"], True),
+                                              (["mesh.data=1", "mesh.fsdp=4"], False)], ids=["data2-fsdp2", "fsdp4"])
+def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_restored(tmp_path, mesh, replicated) -> None:
+    """Two processes x two devices. Killed during the durable save of step 8, then at step 13;
+    process 1's local directory deleted (a replaced host); rerun to the end. With data=2 x fsdp=2
+    (the data axis across the processes) process 0 holds a copy of every shard of process 1: step 12
+    is restored from the local tier with process 1's shards rebuilt. With fsdp=4 the state is split
+    over both processes and process 0's copy is half of it: the durable tier's 8 is restored. Both
+    end bit-exact with an uninterrupted run on the same mesh."""
+    local = tmp_path / "local"
+    args = [*BASE, *TIERS, *mesh, "run.dir=run", f"checkpoint.local.dir={local}"]
+    for code, _, stderr in launched([*BASE, *mesh, "run.dir=reference", "checkpoint.every_steps=8"], tmp_path):
+        assert code == 0, stderr[-3000:]
+
+    # 1. killed while the durable save of step 8 is being written: nothing half-committed is read
+    killed(launched(args, tmp_path, RUNNER_FAULT="kill_after_save:8"))
+    durable = durable_steps(tmp_path / "run")
+    assert durable in ([], [8]), durable
+    held = [set(steps) for steps in local_steps(local).values()]  # 2, 4 and 6, as far as each got
+    resumed = 8 if durable else max((set.union if replicated else set.intersection)(*held))
+    second = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:13")
+    killed(second)
+    assert f"resumed from step {resumed} (" in second[0][1], second[0][1][-2000:]
+    assert durable_steps(tmp_path / "run") == [8] and 12 in local_steps(local)["process-0"]
+
+    # 2. a replaced host, then on to the end
+    shutil.rmtree(next(local.glob("*/*/process-1")))
+    final = launched(args, tmp_path)
+    for code, _, stderr in final:
+        assert code == 0, stderr[-3000:]
+    out = final[0][1]
+    if replicated:
+        assert ("resumed from step 12 (local tier" in out and "process 1's shards rebuilt from the copies on process 0"
+                in out), out[-2000:]
+    else:
+        assert "local checkpoint step 12 is held by process(es) 0 only" in out, out[-2000:]
+        assert f"resumed from step 8 ({tmp_path / 'run' / 'checkpoints'})" in out, out[-2000:]
+    assert_bitwise(tmp_path / "run", tmp_path / "reference")
 
 
 @pytest.mark.e2e
