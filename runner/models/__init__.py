@@ -13,7 +13,7 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, gpt, hf, llama, quantization  # noqa: F401  (register the built-in families)
+from runner.models import attention, context, gpt, hf, llama, quantization, splash  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
@@ -45,11 +45,20 @@ def model_config(spec: ExecutionSpec) -> Any:
         return config
     target = platform(spec)
     impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
-    if spec.mesh.context > 1:  # rows split over the context axis: attention as XLA blocks (runner.models.context)
+    if spec.mesh.context > 1 and not context_splash(spec, impl):  # rows split over the context axis: XLA blocks
         impl = "xla"
     config = dataclasses.replace(config, attention=impl)
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
     return for_platform(config, target) if for_platform else config
+
+
+def context_splash(spec: ExecutionSpec, impl: str) -> bool:
+    """Whether rows split over the context axis are attended by the splash kernel (runner.models
+    .context): it is the implementation, the keys and values are gathered (allgather; ring has no
+    kernel), and each shard's rows fill the kernel's tiles; else XLA blocks."""
+    ways = spec.mesh.context
+    return (impl in context.SPLASH and spec.job.model.context_parallel in ("auto", "allgather")
+            and spec.train.seq_len % (ways * splash.TILE) == 0)
 
 
 def check_spec(spec: ExecutionSpec) -> None:

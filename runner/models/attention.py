@@ -19,14 +19,13 @@ with segments, outputs and gradients.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from runner.errors import ConfigError
-from runner.models import context
+from runner.models import context, splash
 from runner.models.common import Q_AXES, fit_spec
 from runner.registry import Registry
 
@@ -59,46 +58,11 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optio
                                         implementation="cudnn")
 
 
-def splash_block(seq_len: int) -> int:
-    """The kernel's tile: 512 (MaxText's default) or the largest of 256, 128 dividing seq_len."""
-    return next(block for block in (512, 256, 128) if seq_len % block == 0)
-
-
-def _splash_kernel(heads: int, seq_len: int, interpret: bool) -> Any:
-    """A splash MQA kernel for `heads` query heads sharing one key/value head, causal. Built while
-    tracing (its mask tables become constants of the traced function; a cached kernel would leak
-    one trace's arrays into the next)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    b = splash_block(seq_len)
-    sizes = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                          block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len)) for _ in range(heads)])
-    return sa.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
-
-
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
                   interpret: bool) -> jax.Array:
     """Splash on one device's shard: q (B, T, N, H), k/v (B, T, K, H), N a multiple of K."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    batch, seq_len, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    group = heads // kv_heads
-    kernel = _splash_kernel(group, seq_len, interpret)
-    q = (q * (1.0 / math.sqrt(head_dim))).astype(q.dtype)  # the kernel does not scale
-    qg = q.reshape(batch, seq_len, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, H)
-    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, T, H)
-
-    def one_row(qr: jax.Array, kr: jax.Array, vr: jax.Array, seg: Optional[jax.Array]) -> jax.Array:
-        ids = None if seg is None else sa.SegmentIds(q=seg, kv=seg)
-        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(qr, kr, vr)  # over K
-
-    if segment_ids is None:
-        out = jax.vmap(lambda a, b, c: one_row(a, b, c, None))(qg, kt, vt)
-    else:
-        out = jax.vmap(one_row)(qg, kt, vt, segment_ids)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq_len, heads, head_dim)
+    kernel = splash.causal_kernel(q.shape[2] // k.shape[2], q.shape[1], interpret)
+    return splash.rows(kernel, q, k, v, segment_ids, segment_ids)
 
 
 @ATTENTION.register("splash")
@@ -181,11 +145,11 @@ def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opt
     """Causal attention by implementation `impl` (`auto` resolved for the running backend); rows
     split over a context axis (runner.models.context, in its order) by `context_parallel`."""
     if context.active(q.shape[1]):
-        return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes)
+        return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes, impl=impl)
     if impl == "auto":  # a config that did not go through `check`: the default backend decides
         impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
                        q.shape[1])
     return ATTENTION.get(impl)(q, k, v, segment_ids, kv_axes=kv_axes)
 
 
-__all__ = ["ATTENTION", "CHOICES", "attend", "check", "resolve", "segment_mask", "splash_block"]
+__all__ = ["ATTENTION", "CHOICES", "attend", "check", "resolve", "segment_mask"]

@@ -15,7 +15,7 @@ changed none (checkpoints written before still restore).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,20 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", "context"),
     ("layers", None),
 )
+
+
+
+def state_over_context(rules: Sequence[tuple[str, Any]], mesh_shape: Any) -> tuple[tuple[str, Any], ...]:
+    """`rules` with the weights' "embed" axis split over fsdp x context when the mesh has a context
+    axis: the batch is not split over context, so without this each context shard would hold a
+    whole fsdp shard of the state; with it the state is split over both, like FSDP (gathered per
+    layer, gradients reduce-scattered). Activations keep "embed" whole (their length claims
+    context first)."""
+    if int(dict(mesh_shape).get("context", 1)) <= 1:
+        return tuple(rules)
+    return tuple((name, ("fsdp", "context")) if (name, axes) == ("embed", "fsdp") else (name, axes)
+                 for name, axes in rules)
+
 
 Axes = tuple[str | None, ...]
 Q_AXES = ("batch", "length", "heads", "kv")  # attention's (B, T, N, H) queries

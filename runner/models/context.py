@@ -16,9 +16,13 @@ this order after the embedding and back before the output head (`to_context_orde
 masks by each token's place in the original row and its document (segment id): a document that
 spans two shards attends within itself only, whatever the order.
 
-The blocks are computed by XLA einsums (float32 softmax): no fused kernel takes a zig-zag mask
-yet, so `job.model.attention` must be xla or auto under context parallelism (refused otherwise
-by runner.parallel.mesh.check_context).
+Kernels. With `job.model.attention=splash` (or auto on a TPU) and allgather, each shard runs the
+splash kernel once for its own queries against the gathered row, with a mask computed inside the
+kernel from each query's place in the row (MaxText's load-balanced splash; `_splash_allgather`).
+Otherwise the blocks are XLA einsums with a float32 online softmax: ring merges one block's
+softmax at a time, which needs a kernel's log-sum-exp with a gradient (this jax's splash has
+none), and cuDNN takes no such mask. What cannot run is refused by
+runner.parallel.mesh.check_context.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runner.models import splash
 from runner.models.common import Q_AXES, fit_spec
 
 AXIS = "context"
+SPLASH = ("splash", "splash_interpret")  # the implementations run per shard by the splash kernel
 
 
 def context_ways() -> int:
@@ -132,11 +138,40 @@ def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Arr
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
 
+def _splash_allgather(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
+                      q_spec: jax.sharding.PartitionSpec, kv_spec: jax.sharding.PartitionSpec, ways: int,
+                      interpret: bool) -> jax.Array:
+    """allgather with the splash kernel: each shard gathers the row's keys and values (and
+    segment ids), puts them back in the original order, and runs one kernel call for its own
+    queries, whose mask knows each query's place in the row (MaxText's load-balanced splash).
+    The kernel's mask tables are split over the context axis with the queries; its gradient is
+    the kernel's own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    seq_len = q.shape[1]
+    kernel = splash.zigzag_causal_kernel(q.shape[2] // k.shape[2], zigzag_order(seq_len, ways), ways, interpret)
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, AXIS)))
+    back = np.argsort(zigzag_order(seq_len, ways))
+
+    def local(kern: object, q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array]) -> jax.Array:
+        k, v = (jnp.take(jax.lax.all_gather(a, AXIS, axis=1, tiled=True), back, axis=1) for a in (k, v))
+        seg_kv = None if seg is None else jnp.take(jax.lax.all_gather(seg, AXIS, axis=1, tiled=True), back, axis=1)
+        return splash.rows(kern, q, k, v, seg, seg_kv)
+
+    P = jax.sharding.PartitionSpec
+    if segment_ids is None:
+        return jax.shard_map(lambda kern, a, b, c: local(kern, a, b, c, None),
+                             in_specs=(kernel_spec, q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                             check_vma=False)(kernel, q, k, v)
+    return jax.shard_map(local, in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1])),
+                         out_specs=q_spec, check_vma=False)(kernel, q, k, v, segment_ids)
+
+
 def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
-                      kv_axes: tuple[str, ...]) -> jax.Array:
+                      kv_axes: tuple[str, ...], impl: str = "xla") -> jax.Array:
     """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
-    the context axis in shard_map: `allgather` or `ring` (`auto`: allgather). Batch and heads
-    stay split as their logical axes say."""
+    the context axis in shard_map: `allgather` or `ring` (`auto`: allgather), by XLA blocks, or
+    (impl splash, allgather) by the splash kernel. Batch and heads stay split as their logical
+    axes say."""
     mesh = jax.sharding.get_abstract_mesh()
     ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
     q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
@@ -144,6 +179,8 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec
+    if impl in SPLASH and kind != "ring" and (seq_len // ways) % splash.TILE == 0:
+        return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=impl == "splash_interpret")
     local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring")
     P = jax.sharding.PartitionSpec
     if segment_ids is None:
@@ -151,4 +188,3 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
                              out_specs=q_spec, check_vma=False)(q, k, v)
     return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1])), out_specs=q_spec,
                          check_vma=False)(q, k, v, segment_ids)
-

@@ -23,7 +23,7 @@ from runner.models import gpt_hf
 from runner.models.attention import attend
 from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLICIES, Decoder, Dtypes, KVCache,
     activation, attend_cached, dense, embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks,
-    zeros_init)
+    state_over_context, zeros_init)
 from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.quantization import quantized
@@ -251,7 +251,7 @@ class GPTFamily:
 
     @staticmethod
     def axis_rules(config: GPTConfig, mesh_shape: Any) -> tuple[tuple[str, Any], ...]:
-        return LOGICAL_AXIS_RULES
+        return state_over_context(LOGICAL_AXIS_RULES, mesh_shape)
 
     param_count = staticmethod(param_count)
     flops_per_token = staticmethod(flops_per_token)

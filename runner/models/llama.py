@@ -28,7 +28,7 @@ from runner.errors import ConfigError
 from runner.models import llama_hf
 from runner.models.attention import attend
 from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
-    embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks)
+    embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks, state_over_context)
 from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
@@ -412,7 +412,7 @@ class LlamaFamily:
 
     @staticmethod
     def axis_rules(config: LlamaConfig, mesh_shape: Any) -> tuple[tuple[str, Any], ...]:
-        return axis_rules(config, int(dict(mesh_shape).get("tensor", 1)))
+        return state_over_context(axis_rules(config, int(dict(mesh_shape).get("tensor", 1))), mesh_shape)
 
     param_count = staticmethod(param_count)
     active_param_count = staticmethod(active_param_count)

@@ -90,6 +90,7 @@ class CompileReport:
     quantization: str = ""  # what runs quantized (job.model.quantization), once the step is traced
     quantized_matmuls: dict[str, int] | None = None  # int8 / fp8 matmul instructions in the compiled step
     format_peak_per_device: float | None = None  # the chip's peak in job.model.quantization's format
+    kernels: dict[str, int] | None = None  # fused-kernel calls in the compiled step, by custom-call target
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -112,6 +113,8 @@ class CompileReport:
             *([f"  {self.quantization}"] if self.quantization else []),
             *([f"  compiled step: {counts['int8']} int8 matmuls, {counts['fp8']} fp8 matmuls, of {counts['all']}"]
               if counts is not None else []),
+            *(["  compiled step's fused kernels: " + ", ".join(f"{n} x {target}" for target, n in self.kernels.items())]
+              if self.kernels else []),
         ]
 
     def text(self) -> str:
@@ -349,14 +352,17 @@ def _advice(spec: Any, mesh: dict[str, int]) -> str:
     return ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1]
 
 
-def _attention(job: Any) -> str:
+def attention_summary(job: Any) -> str:
     """The attention the step runs: the implementation, and how rows split over a context axis
     are attended across it."""
     impl, ways = str(getattr(job, "attention", "xla")), int(dict(job.mesh.shape).get("context", 1))
     if ways == 1:
         return impl
     kind = getattr(job.model_config, "context_parallel", "auto")
-    return f"{impl} blocks, rows split over mesh.context={ways} ({'allgather' if kind == 'auto' else kind})"
+    kind = "allgather" if kind == "auto" else kind
+    if impl.startswith("splash"):
+        return f"{impl} kernel on each shard's rows, keys and values gathered over mesh.context={ways} ({kind})"
+    return f"{impl} blocks, rows split over mesh.context={ways} ({kind})"
 
 
 def _model_notes(job: Any) -> str:
@@ -367,6 +373,19 @@ def _model_notes(job: Any) -> str:
 
 _DEFINED = re.compile(r"%(\S+) = \(?([a-z][a-z0-9]*)\[")  # an instruction's name and (first) element type
 _MATMUL = re.compile(r" (dot|convolution|custom-call)\(%([^,)\s]+), %([^,)\s]+)")
+
+
+_KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*)"')
+
+
+def fused_kernels(hlo: str) -> dict[str, int]:
+    """The compiled program's calls of fused kernels, by custom-call target: Pallas/Mosaic kernels
+    on TPU (`tpu_custom_call`: splash attention, megablox) and cuDNN's fused attention on GPU. What
+    proves the kernel named by job.model.attention reached the compiler (a loop body counts once)."""
+    counts: dict[str, int] = {}
+    for target in _KERNEL_TARGETS.findall(hlo):
+        counts[target] = counts.get(target, 0) + 1
+    return counts
 
 
 def quantized_matmuls(hlo: str) -> dict[str, int]:
@@ -419,7 +438,7 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
         sharded_argument_bytes=_sharded_bytes((abstract, batch)),
         analytic_flops=_analytic_flops(job),
         peak_flops_per_device=None if topology.chip is None else topology.chip.peak_bf16_flops_per_device,
-        attention=_attention(job), param_dtype=spec.job.model.param_dtype,
+        attention=attention_summary(job), param_dtype=spec.job.model.param_dtype,
         model_notes=_model_notes(job), advice=_advice(spec, dict(job.mesh.shape)),
         optimizer_state_dtype=spec.optimizer.state_dtype,
     )
@@ -450,6 +469,7 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
     report.flops_per_device = _flops(compiled)
     if report.quantization:
         report.quantized_matmuls = quantized_matmuls(compiled.as_text())
+    report.kernels = fused_kernels(compiled.as_text())
     report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in compiled.as_text()
     report.fits = report.memory is None or limit is None or report.memory.total <= limit
     return report

@@ -145,17 +145,31 @@ def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
 
 def check_context(spec: Any, context: int) -> None:
     """A context axis of `context` shards: rows cut into 2 x that many equal chunks (the zig-zag
-    layout, runner.models.context), and attention by XLA blocks (no fused kernel takes the layout)."""
+    layout, runner.models.context), attended by the splash kernel (allgather, each shard's tokens
+    in whole tiles) or by XLA blocks; cuDNN has no context-parallel form here."""
     if context <= 1:
         return
     if spec.train.seq_len % (2 * context):
         raise ConfigError("train.seq_len", spec.train.seq_len, f"with mesh.context={context} every row is cut into "
                           f"{2 * context} equal chunks (two per shard, for equal causal work).",
                           f"use a multiple of {2 * context}, or another mesh.context.")
-    if spec.job.model.attention not in ("auto", "xla"):
-        raise ConfigError("job.model.attention", spec.job.model.attention, "under context parallelism (mesh.context="
-                          f"{context}) attention runs as XLA blocks across the shards (job.model.context_parallel); "
-                          "no fused kernel takes the split rows yet.", "use job.model.attention=auto or xla.")
+    attention, kind, seq_len = spec.job.model.attention, spec.job.model.context_parallel, spec.train.seq_len
+    if attention == "splash" and kind == "ring":
+        raise ConfigError("job.model.context_parallel", kind, "the splash kernel runs context-parallel by gathering "
+                          "each row's keys and values (allgather); the ring passes them one block at a time and "
+                          "merges the blocks' softmaxes, which needs the kernel's log-sum-exp with a gradient, and "
+                          "this jax's splash kernel does not give one.",
+                          "use job.model.context_parallel=allgather (or auto) with splash, or "
+                          "job.model.attention=xla (or auto) with ring.")
+    if attention == "splash" and seq_len % (context * 128):
+        raise ConfigError("train.seq_len", seq_len, f"with mesh.context={context} each shard holds {seq_len} / "
+                          f"{context} tokens of a row, and the splash kernel tiles them in blocks of 128.",
+                          f"use a multiple of {context * 128}, or job.model.attention=xla (or auto).")
+    if attention not in ("auto", "xla", "splash"):
+        raise ConfigError("job.model.attention", attention, f"under context parallelism (mesh.context={context}) "
+                          "attention runs as the splash kernel (TPU, allgather) or as XLA blocks across the shards; "
+                          f"{attention} has no context-parallel form here.",
+                          "use job.model.attention=auto, splash or xla.")
 
 
 def check_spec(spec: Any) -> None:

@@ -43,6 +43,7 @@ from runner.observability import debug, goodput, runcard
 from runner.observability.goodput import Goodput
 from runner.observability.metrics import METRICS_FILE, MetricsLogger, truncate_jsonl
 from runner.observability.throughput import Throughput
+from runner.parallel.compile import attention_summary
 from runner.parallel.mesh import make_mesh, mesh_shape
 from runner.parallel.topology import check_devices, parse_topology
 from runner.spec import ExecutionSpec
@@ -497,7 +498,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             if active is not None and active != self._facts["parameters"]:
                 self._facts["active_parameters"] = active
             if getattr(self, "attention", ""):
-                self._facts["attention"] = self.attention
+                self._facts["attention"] = attention_summary(self)
             self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
             if getattr(self, "quantization", ""):
                 self._facts["quantization"] = self.quantization

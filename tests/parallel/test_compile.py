@@ -86,6 +86,29 @@ def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) 
     report = _summary(proc.stdout)
     assert report["attention"] == "splash" and "attention splash" in proc.stdout
     assert report["fits"] is True
+    assert report["kernels"]["tpu_custom_call"] > 0 and "fused kernels: " in proc.stdout
+
+
+@pytest.mark.e2e
+@needs_libtpu
+@pytest.mark.parametrize("kind, kernel", [("auto", True), ("ring", False)])
+def test_context_parallel_rows_take_the_splash_kernel_per_shard_with_allgather(tmp_path: Path, kind: str,
+                                                                                kernel: bool) -> None:
+    """Rows split over mesh.context=4 on a v5p-8, attention=auto: allgather (auto) runs the splash
+    kernel on each shard's rows (Mosaic calls in the compiled step); ring runs XLA blocks (no
+    kernel takes its per-block softmax merge), and the report says which."""
+    proc = run_runner(["topology=v5p-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
+                       "train.seq_len=1024", "job.model.context_length=1024", "train.batch_size=4",
+                       "eval.batch_size=4", "mesh.data=1", "mesh.context=4", f"job.model.context_parallel={kind}",
+                       "logging.wandb=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _summary(proc.stdout)
+    if kernel:
+        assert report["attention"].startswith("splash kernel on each shard's rows"), report["attention"]
+        assert report["kernels"]["tpu_custom_call"] > 0
+    else:
+        assert report["attention"] == "xla blocks, rows split over mesh.context=4 (ring)"
+        assert not report["kernels"]
 
 
 @pytest.mark.e2e

@@ -67,6 +67,66 @@ def test_context_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> No
         assert result["permute"] if name.endswith("ring") else result["gather"], (name, result)
 
 
+SPLASH_EQUIVALENCE = """
+import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+import runner.models.splash as splash
+from runner.parallel.mesh import make_mesh
+from runner.models.llama import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from tests.parallel.equivalence import logits_and_grads, relative_error
+
+built = []  # the zig-zag splash kernels built: proof the kernel ran, not the XLA blocks
+kernel = splash.zigzag_causal_kernel
+splash.zigzag_causal_kernel = lambda *a, **k: built.append(a[2]) or kernel(*a, **k)
+T = 512
+tokens = jax.random.randint(jax.random.PRNGKey(3), (2, T), 0, 64)
+# chunks of 64 tokens (context 4) or 128 (context 2): document edges on chunk edges (64, 128,
+# 256) and inside chunks (100, 300), a padded tail; the second row one document across shards
+seg = np.zeros((2, T), np.int32)
+for row, cuts in enumerate(([0, 64, 100, 128, 256, 300, 480], [0, 200, T])):
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        seg[row, a:b] = i + 1
+starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1) != 0, np.arange(T), 0), axis=1)
+positions, seg = jnp.asarray(np.arange(T) - starts), jnp.asarray(seg)
+llama = dict(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4, head_dim=8, d_ff=48)
+models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
+          "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
+          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4))}
+meshes = {"llama_gqa": ({"context": 4}, {"data": 2, "context": 2}, {"fsdp": 2, "context": 2}, {"context": 2, "tensor": 2}),
+          "llama_mqa": ({"context": 2, "tensor": 2},), "gpt": ({"context": 4},)}
+out = {}
+for name, (Model, Family, cfg) in models.items():
+    params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
+    want, _ = logits_and_grads(Model(cfg), params, tokens, seg, positions)  # one device, xla
+    for axes in meshes[name]:
+        shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
+        c = dataclasses.replace(cfg, attention="splash_interpret", context_parallel="allgather")
+        before = len(built)
+        with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
+            got, text = logits_and_grads(Model(c), params, tokens, seg, positions)
+        key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items())
+        out[key] = {"error": relative_error(got, want), "gather": "all-gather" in text or "all_gather" in text,
+                    "kernels": built[before:]}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.e2e
+def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
+    """attention=splash (Pallas interpret mode on CPU) with allgather: each shard's queries against
+    the gathered keys and values in one kernel call whose mask knows the zig-zag order. 512-token
+    packed rows on (context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2) for
+    llama GQA, MQA with split heads, and gpt: logits and gradients within float32 rounding of one
+    device's XLA attention."""
+    out = run_script(SPLASH_EQUIVALENCE, tmp_path)
+    assert len(out) == 6
+    for name, result in out.items():
+        assert result["error"] < 1e-5, (name, result)
+        assert result["gather"], (name, result)
+        ways = int(name.split("context")[1].split("/")[0])
+        assert result["kernels"] and set(result["kernels"]) == {ways}, (name, result)  # split over the context axis
+
+
 def test_the_zigzag_layout_gives_every_shard_the_same_causal_work() -> None:
     from runner.models.context import zigzag_order
 
@@ -116,6 +176,46 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
         assert moved[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), step
 
 
+@pytest.mark.e2e
+def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path) -> None:
+    """`python -m runner job.model.attention=splash mesh.context=2` (Pallas interpret mode on this
+    CPU) on packed 256-token rows: the kernel runs per shard (the run card says so) and the
+    losses are one device's XLA attention's."""
+    run = [*RUN, "job.model.n_kv_heads=1", "train.seq_len=256", "job.model.context_length=256", "train.steps=4",
+           "train.batch_size=4", "eval.every=0", "checkpoint.every_steps=0"]
+    one = run_runner([*run, "run.dir=one", "job.model.attention=xla"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert_same_losses(run, tmp_path, "split", ["mesh.data=2", "mesh.context=2", "job.model.attention=splash"],
+                       losses(tmp_path / "one"))
+    card = (tmp_path / "split" / "RUN_CARD.md").read_text()
+    assert "attention: splash_interpret kernel on each shard's rows, keys and values gathered over mesh.context=2" \
+        in card, card[:2000]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_the_state_is_split_over_context_too_and_activations_keep_their_layout(family: str) -> None:
+    import flax.linen as nn
+
+    from runner.models.gpt import GPTConfig, GPTFamily
+    from runner.models.llama import LlamaConfig, LlamaFamily
+
+    sizes = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)
+    rules_of = {"llama": lambda shape: LlamaFamily.axis_rules(LlamaConfig(**sizes, head_dim=8, d_ff=48, n_kv_heads=2), shape),
+                "gpt": lambda shape: GPTFamily.axis_rules(GPTConfig(**sizes), shape)}[family]
+    split = rules_of({"data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1})
+    whole = rules_of({"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1})
+    P = nn.logical_to_mesh_axes
+    assert P(("embed", "mlp"), split) == jax_spec(("fsdp", "context"), "tensor")  # a weight: fsdp x context
+    assert P(("embed", "mlp"), whole) == jax_spec("fsdp", "tensor")  # no context axis: as before
+    assert P(("batch", "length", "embed"), split) == jax_spec(("data", "fsdp", "expert"), "context", None)
+
+
+def jax_spec(*axes):
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(*axes)
+
+
 def test_what_cannot_run_context_parallel_is_refused() -> None:
     from runner.parallel.mesh import check_spec
     from runner.spec import ExecutionSpec, MeshSpec, ModelSpec, TrainSpec, validate
@@ -124,11 +224,19 @@ def test_what_cannot_run_context_parallel_is_refused() -> None:
                                train=TrainSpec(seq_len=36, batch_size=8))
     with pytest.raises(ConfigError, match=r"train.seq_len=36.*8 equal chunks.*multiple of 8"):
         check_spec(spec)
-    splash = dataclasses.replace(spec, train=TrainSpec(seq_len=32, batch_size=8), job=dataclasses.replace(
+    splash = dataclasses.replace(spec, train=TrainSpec(seq_len=256, batch_size=8), job=dataclasses.replace(
         spec.job, model=ModelSpec(attention="splash")))
-    with pytest.raises(ConfigError, match=r"job.model.attention='splash'.*no fused kernel.*auto or xla"):
+    with pytest.raises(ConfigError, match=r"train.seq_len=256.*256 / 4 tokens.*blocks of 128.*multiple of 512"):
         check_spec(splash)
-    check_spec(dataclasses.replace(splash, job=ExecutionSpec().job))  # xla blocks: fine
+    check_spec(dataclasses.replace(splash, train=TrainSpec(seq_len=512, batch_size=8)))  # 128 per shard: the kernel
+    check_spec(dataclasses.replace(splash, job=ExecutionSpec().job))  # auto: xla blocks where splash cannot
+    ring = dataclasses.replace(splash, train=TrainSpec(seq_len=512, batch_size=8), job=dataclasses.replace(
+        spec.job, model=ModelSpec(attention="splash", context_parallel="ring")))
+    with pytest.raises(ConfigError, match=r"job.model.context_parallel='ring'.*allgather.*log-sum-exp"):
+        check_spec(ring)
+    cudnn = dataclasses.replace(splash, job=dataclasses.replace(spec.job, model=ModelSpec(attention="cudnn")))
+    with pytest.raises(ConfigError, match=r"job.model.attention='cudnn'.*no context-parallel form"):
+        check_spec(cudnn)
     with pytest.raises(ConfigError, match=r"job.model.context_parallel"):
         validate(dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(
             context_parallel="ulysses"))))

@@ -1,0 +1,92 @@
+"""The TPU splash-attention kernel's common parts: its tile, its block sizes, its masks, and how
+one device's rows are fed to an MQA kernel (one key/value head, its group of query heads).
+
+Used by runner.models.attention (whole rows on each device) and runner.models.context (rows split
+over the context axis: each shard's queries against the gathered keys and values, with a mask
+that knows the zig-zag order). On a CPU the same kernel runs in Pallas interpret mode: exact but
+slow, for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+TILE = 128  # the kernel's smallest block: sequence lengths are multiples of it
+
+
+def splash_block(seq_len: int) -> int:
+    """The kernel's tile: 512 (MaxText's default) or the largest of 256, 128 dividing seq_len."""
+    return next(block for block in (512, 256, 128) if seq_len % block == 0)
+
+
+def block_sizes(block: int) -> Any:
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    return sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+
+
+def causal_kernel(heads: int, seq_len: int, interpret: bool) -> Any:
+    """A causal splash MQA kernel for `heads` query heads sharing one key/value head. Built while
+    tracing (its mask tables become constants of the traced function; a cached kernel would leak
+    one trace's arrays into the next)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(seq_len)), head_shards=1, q_seq_shards=1,
+                              interpret=interpret)
+
+
+def zigzag_causal_kernel(heads: int, q_positions: np.ndarray, shards: int, interpret: bool) -> Any:
+    """A splash MQA kernel whose query rows are the row's tokens in the order `q_positions` gives
+    (their places in the original row) and whose keys are the row in its original order: a query
+    sees the keys at or before its place. Its mask tables are split over `shards` query shards
+    (`manual_sharding_spec`), so each shard of a shard_map gets the rows it holds; the mask is
+    computed inside the kernel from the positions, never stored."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    seq_len = len(q_positions)
+
+    class PlacedCausalMask(sa.splash_attention_mask._ComputableMask):
+        def __init__(self) -> None:
+            super().__init__(shape=(seq_len, seq_len), mask_function=lambda q_ids, kv_ids: q_ids >= kv_ids)
+            self.q_sequence = np.asarray(q_positions, dtype=np.int32)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, PlacedCausalMask) and np.array_equal(self.q_sequence, other.q_sequence)
+
+        def __hash__(self) -> int:
+            return hash((seq_len, self.q_sequence.tobytes()))
+
+    mask = sa.MultiHeadMask([PlacedCausalMask() for _ in range(heads)])
+    return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(seq_len // shards)), head_shards=1,
+                              q_seq_shards=shards, interpret=interpret)
+
+
+def rows(kernel: Any, q: jax.Array, k: jax.Array, v: jax.Array, q_segments: Optional[jax.Array],
+         kv_segments: Optional[jax.Array]) -> jax.Array:
+    """`kernel` over one device's rows: q (B, Tq, N, H), k/v (B, Tk, K, H), N a multiple of K,
+    segment ids (B, Tq) and (B, Tk) or None. The kernel does not scale: q is scaled here."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    q = (q * (1.0 / math.sqrt(head_dim))).astype(q.dtype)
+    qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)  # (B, K, G, Tq, H)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, Tk, H)
+
+    def one_row(qr: jax.Array, kr: jax.Array, vr: jax.Array, q_seg: Optional[jax.Array],
+                kv_seg: Optional[jax.Array]) -> jax.Array:
+        ids = None if q_seg is None else sa.SegmentIds(q=q_seg, kv=kv_seg)
+        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(qr, kr, vr)  # over K
+
+    if q_segments is None:
+        out = jax.vmap(lambda a, b, c: one_row(a, b, c, None, None))(qg, kt, vt)
+    else:
+        out = jax.vmap(one_row)(qg, kt, vt, q_segments, kv_segments)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
