@@ -13,7 +13,8 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, context, gpt, hf, llama, quantization, splash  # noqa: F401  (register the built-in families)
+from runner.models import attention, context, hf, quantization, splash
+from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate

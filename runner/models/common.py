@@ -80,7 +80,6 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-
 def state_over_context(rules: Sequence[tuple[str, Any]], mesh_shape: Any) -> tuple[tuple[str, Any], ...]:
     """`rules` with the weights' "embed" axis split over fsdp x context when the mesh has a context
     axis: the batch is not split over context, so without this each context shard would hold a

@@ -9,6 +9,7 @@ slow, for tests.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -41,6 +42,29 @@ def causal_kernel(heads: int, seq_len: int, interpret: bool) -> Any:
                               interpret=interpret)
 
 
+@functools.lru_cache(maxsize=None)
+def _placed_causal_mask() -> type:
+    """The class of `zigzag_causal_kernel`'s mask, made once: splash caches the processing of a
+    mask (minutes at 128k tokens) by equality, which needs one class for every trace."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    class PlacedCausalMask(sa.splash_attention_mask._ComputableMask):
+        """Causal by place: query row i is the token at q_positions[i] of the row, keys in order."""
+
+        def __init__(self, q_positions: np.ndarray) -> None:
+            seq_len = len(q_positions)
+            super().__init__(shape=(seq_len, seq_len), mask_function=lambda q_ids, kv_ids: q_ids >= kv_ids)
+            self.q_sequence = np.asarray(q_positions, dtype=np.int32)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, PlacedCausalMask) and np.array_equal(self.q_sequence, other.q_sequence)
+
+        def __hash__(self) -> int:
+            return hash(self.q_sequence.tobytes())
+
+    return PlacedCausalMask
+
+
 def zigzag_causal_kernel(heads: int, q_positions: np.ndarray, shards: int, interpret: bool) -> Any:
     """A splash MQA kernel whose query rows are the row's tokens in the order `q_positions` gives
     (their places in the original row) and whose keys are the row in its original order: a query
@@ -49,21 +73,8 @@ def zigzag_causal_kernel(heads: int, q_positions: np.ndarray, shards: int, inter
     computed inside the kernel from the positions, never stored."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    seq_len = len(q_positions)
-
-    class PlacedCausalMask(sa.splash_attention_mask._ComputableMask):
-        def __init__(self) -> None:
-            super().__init__(shape=(seq_len, seq_len), mask_function=lambda q_ids, kv_ids: q_ids >= kv_ids)
-            self.q_sequence = np.asarray(q_positions, dtype=np.int32)
-
-        def __eq__(self, other: object) -> bool:
-            return isinstance(other, PlacedCausalMask) and np.array_equal(self.q_sequence, other.q_sequence)
-
-        def __hash__(self) -> int:
-            return hash((seq_len, self.q_sequence.tobytes()))
-
-    mask = sa.MultiHeadMask([PlacedCausalMask() for _ in range(heads)])
-    return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(seq_len // shards)), head_shards=1,
+    mask = sa.MultiHeadMask([_placed_causal_mask()(q_positions) for _ in range(heads)])
+    return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(len(q_positions) // shards)), head_shards=1,
                               q_seq_shards=shards, interpret=interpret)
 
 
