@@ -138,8 +138,10 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
     shutil.rmtree(next(local.glob("*/*/process-1")))
     third = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:15")
     killed(third)
-    assert ("resumed from step 12 (local tier" in third[0][1] and "process 1's shards rebuilt from the copies on "
-            "process 0; the durable tier's newest: step 8, so 4 steps not recomputed" in third[0][1]), third[0][1][-2000:]
+    out = third[0][1]
+    assert "resumed from step 12 (local tier" in out, out[-2000:]
+    assert ("process 1's shards rebuilt from the copies on process 0; the durable tier's newest: step 8, so 4 steps "
+            "not recomputed") in out, out[-2000:]
     assert 14 in local_steps(local)["process-0"], local_steps(local)
 
     # 4. another process count: the local shards (of two processes) do not fit one process with

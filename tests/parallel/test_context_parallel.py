@@ -92,7 +92,8 @@ llama = dict(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4,
 models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
           "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
           "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4))}
-meshes = {"llama_gqa": ({"context": 4}, {"data": 2, "context": 2}, {"fsdp": 2, "context": 2}, {"context": 2, "tensor": 2}),
+meshes = {"llama_gqa": ({"context": 4}, {"data": 2, "context": 2}, {"fsdp": 2, "context": 2},
+                        {"context": 2, "tensor": 2}),
           "llama_mqa": ({"context": 2, "tensor": 2},), "gpt": ({"context": 4},)}
 out = {}
 for name, (Model, Family, cfg) in models.items():
@@ -200,7 +201,8 @@ def test_the_state_is_split_over_context_too_and_activations_keep_their_layout(f
     from runner.models.llama import LlamaConfig, LlamaFamily
 
     sizes = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)
-    rules_of = {"llama": lambda shape: LlamaFamily.axis_rules(LlamaConfig(**sizes, head_dim=8, d_ff=48, n_kv_heads=2), shape),
+    llama = LlamaConfig(**sizes, head_dim=8, d_ff=48, n_kv_heads=2)
+    rules_of = {"llama": lambda shape: LlamaFamily.axis_rules(llama, shape),
                 "gpt": lambda shape: GPTFamily.axis_rules(GPTConfig(**sizes), shape)}[family]
     split = rules_of({"data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1})
     whole = rules_of({"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1})
