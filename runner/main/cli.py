@@ -48,6 +48,8 @@ def _quiet_libraries(log_to_stderr: bool = True) -> None:
         os.environ.setdefault("NO_COLOR", "1")
     if log_to_stderr:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("asyncio").addFilter(_drop_abandoned_readers)
+    _without_late_reads()
     try:
         from absl import logging as absl_logging
 
@@ -59,17 +61,55 @@ def _quiet_libraries(log_to_stderr: bool = True) -> None:
         pass
 
 
+def _drop_abandoned_readers(record: logging.LogRecord) -> bool:
+    """orbax reads a checkpoint with one asyncio task per array; when one read fails (a damaged
+    checkpoint), the others' failures are never awaited, and asyncio logs each, with a traceback,
+    whenever the garbage collector finds it, possibly before runner prints its one paragraph about
+    the damage. Those records say nothing the paragraph does not."""
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _late_read(kind: type[BaseException] | None, value: BaseException | None, tb: Any) -> bool:
+    """tensorstore hands each finished read to orbax's event loop by calling the loop's
+    call_soon_threadsafe from C; reads that finish after orbax gave up (a damaged checkpoint) find
+    the loop closed, and that RuntimeError reaches the interpreter's hooks, a traceback per read.
+    Called from C, its traceback starts in call_soon_threadsafe: nothing else's does."""
+    return (kind is RuntimeError and str(value) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+
+
+def _without_late_reads() -> None:
+    """Both hooks through which C code reports an exception it cannot raise (PyErr_Print,
+    PyErr_WriteUnraisable) leave out tensorstore's late reads and pass on everything else."""
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def quiet_excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not _late_read(kind, value, tb):
+            excepthook(kind, value, tb)
+
+    def quiet_unraisablehook(unraisable: Any) -> None:
+        if not _late_read(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+            unraisablehook(unraisable)
+
+    sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
 def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
     """Print one paragraph to stderr and exit. What the interpreter reports after it while
     exiting, about coroutines or threads the failure abandoned (orbax's readers of a damaged
     checkpoint: "Exception ignored in: <coroutine ...>" with a traceback), is left out: the
     paragraph already says what went wrong."""
-    print("error: " + " ".join(message.split()), file=sys.stderr, flush=True)
+    paragraph = "error: " + " ".join(message.split()) + "\n"
     if not _is_command or _in_sweep_process:  # in-process (a tool, a test), or a sweep that goes on
+        print(paragraph, end="", file=sys.stderr, flush=True)
         sys.exit(code)
+    sys.stderr.flush()
+    terminal = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)  # asyncio's "never retrieved", "Exception ignored in <coroutine>", "Event loop is closed"
     sys.stderr = open(os.devnull, "w")
+    os.write(terminal, paragraph.encode())  # one write: no other thread's output lands inside it
+    os.close(terminal)
     if code == PREEMPTED_EXIT_CODE:  # storage unavailable: its clients' threads may retry for many minutes
         sys.stdout.flush()
         os._exit(code)
