@@ -13,7 +13,7 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, context, hf, quantization, splash
+from runner.models import attention, context, hf, quantization
 from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
 from runner.parallel.topology import parse_topology
@@ -55,11 +55,10 @@ def model_config(spec: ExecutionSpec) -> Any:
 
 def context_splash(spec: ExecutionSpec, impl: str) -> bool:
     """Whether rows split over the context axis are attended by the splash kernel (runner.models
-    .context): it is the implementation, the keys and values are gathered (allgather; ring has no
-    kernel), and each shard's rows fill the kernel's tiles; else XLA blocks."""
-    ways = spec.mesh.context
-    return (impl in context.SPLASH and spec.job.model.context_parallel in ("auto", "allgather")
-            and spec.train.seq_len % (ways * splash.TILE) == 0)
+    .context): it is the implementation and each shard's rows fill the kernel's tiles; else XLA
+    blocks."""
+    return impl in context.SPLASH and context.splash_fits(spec.job.model.context_parallel, spec.train.seq_len,
+                                                          spec.mesh.context)
 
 
 def check_spec(spec: ExecutionSpec) -> None:

@@ -18,10 +18,10 @@ spans two shards attends within itself only, whatever the order.
 
 Kernels. With `job.model.attention=splash` (or auto on a TPU) and allgather, each shard runs the
 splash kernel once for its own queries against the gathered row, with a mask computed inside the
-kernel from each query's place in the row (MaxText's load-balanced splash; `_splash_allgather`).
-Otherwise the blocks are XLA einsums with a float32 online softmax: ring merges one block's
-softmax at a time, which needs a kernel's log-sum-exp with a gradient (this jax's splash has
-none), and cuDNN takes no such mask. What cannot run is refused by
+kernel from each query's place in the row (MaxText's load-balanced splash; `_splash_allgather`);
+with ring, each block it passes is one splash call, merged by the calls' log-sum-exps, with a
+gradient of its own (runner.models.splash_ring). Otherwise the blocks are XLA einsums with a
+float32 online softmax (cuDNN takes no such mask). What cannot run is refused by
 runner.parallel.mesh.check_context.
 """
 
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.models import splash
+from runner.models import splash, splash_ring
 from runner.models.common import Q_AXES, fit_spec
 
 AXIS = "context"
@@ -77,6 +77,12 @@ def from_context_order(x: jax.Array) -> jax.Array:
     if not active(x.shape[1]):
         return x
     return jnp.take(x, np.argsort(zigzag_order(x.shape[1], context_ways())), axis=1)
+
+
+def splash_fits(kind: str, seq_len: int, ways: int) -> bool:
+    """Whether the splash kernel's tiles fit each shard's rows: its whole share of a row
+    (allgather), or each half of it (ring's blocks)."""
+    return seq_len % (ways * splash.TILE * (2 if kind == "ring" else 1)) == 0
 
 
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
@@ -169,8 +175,8 @@ def _splash_allgather(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opt
 def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
                       kv_axes: tuple[str, ...], impl: str = "xla") -> jax.Array:
     """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
-    the context axis in shard_map: `allgather` or `ring` (`auto`: allgather), by XLA blocks, or
-    (impl splash, allgather) by the splash kernel. Batch and heads stay split as their logical
+    the context axis in shard_map: `allgather` or `ring` (`auto`: allgather), by the splash kernel
+    (impl splash, where its tiles fit) or XLA blocks. Batch and heads stay split as their logical
     axes say."""
     mesh = jax.sharding.get_abstract_mesh()
     ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
@@ -179,9 +185,13 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec
-    if impl in SPLASH and kind != "ring" and (seq_len // ways) % splash.TILE == 0:
-        return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=impl == "splash_interpret")
-    local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring")
+    interpret, kernel = impl == "splash_interpret", impl in SPLASH and splash_fits(kind, seq_len, ways)
+    if kernel and kind != "ring":
+        return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=interpret)
+    if kernel:
+        local = functools.partial(splash_ring.attend, ways=ways, interpret=interpret)
+    else:
+        local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring")
     P = jax.sharding.PartitionSpec
     if segment_ids is None:
         return jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(q_spec, kv_spec, kv_spec),

@@ -360,6 +360,8 @@ def attention_summary(job: Any) -> str:
         return impl
     kind = getattr(job.model_config, "context_parallel", "auto")
     kind = "allgather" if kind == "auto" else kind
+    if impl.startswith("splash") and kind == "ring":
+        return f"{impl} kernel per block, key/value blocks passed around mesh.context={ways} (ring)"
     if impl.startswith("splash"):
         return f"{impl} kernel on each shard's rows, keys and values gathered over mesh.context={ways} ({kind})"
     return f"{impl} blocks, rows split over mesh.context={ways} ({kind})"

@@ -145,8 +145,9 @@ def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
 
 def check_context(spec: Any, context: int) -> None:
     """A context axis of `context` shards: rows cut into 2 x that many equal chunks (the zig-zag
-    layout, runner.models.context), attended by the splash kernel (allgather, each shard's tokens
-    in whole tiles) or by XLA blocks; cuDNN has no context-parallel form here."""
+    layout, runner.models.context), attended by the splash kernel (each shard's tokens, or with
+    ring each half of them, in whole tiles) or by XLA blocks; cuDNN has no context-parallel form
+    here."""
     if context <= 1:
         return
     if spec.train.seq_len % (2 * context):
@@ -154,17 +155,15 @@ def check_context(spec: Any, context: int) -> None:
                           f"{2 * context} equal chunks (two per shard, for equal causal work).",
                           f"use a multiple of {2 * context}, or another mesh.context.")
     attention, kind, seq_len = spec.job.model.attention, spec.job.model.context_parallel, spec.train.seq_len
-    if attention == "splash" and kind == "ring":
-        raise ConfigError("job.model.context_parallel", kind, "the splash kernel runs context-parallel by gathering "
-                          "each row's keys and values (allgather); the ring passes them one block at a time and "
-                          "merges the blocks' softmaxes, which needs the kernel's log-sum-exp with a gradient, and "
-                          "this jax's splash kernel does not give one.",
-                          "use job.model.context_parallel=allgather (or auto) with splash, or "
-                          "job.model.attention=xla (or auto) with ring.")
-    if attention == "splash" and seq_len % (context * 128):
-        raise ConfigError("train.seq_len", seq_len, f"with mesh.context={context} each shard holds {seq_len} / "
-                          f"{context} tokens of a row, and the splash kernel tiles them in blocks of 128.",
-                          f"use a multiple of {context * 128}, or job.model.attention=xla (or auto).")
+    if attention == "splash":
+        ring = kind == "ring"
+        tiles = context * 128 * (2 if ring else 1)
+        if seq_len % tiles:
+            share = (f"ring's blocks are halves of each shard's {seq_len} / {context} tokens" if ring
+                     else f"each shard holds {seq_len} / {context} tokens of a row")
+            raise ConfigError("train.seq_len", seq_len, f"with mesh.context={context} and "
+                              f"job.model.context_parallel={kind}, {share}, and the splash kernel tiles them in "
+                              "blocks of 128.", f"use a multiple of {tiles}, or job.model.attention=xla (or auto).")
     if attention not in ("auto", "xla", "splash"):
         raise ConfigError("job.model.attention", attention, f"under context parallelism (mesh.context={context}) "
                           "attention runs as the splash kernel (TPU, allgather) or as XLA blocks across the shards; "

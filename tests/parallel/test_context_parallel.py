@@ -70,18 +70,21 @@ def test_context_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> No
 SPLASH_EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 import runner.models.splash as splash
+import runner.models.splash_ring as splash_ring
 from runner.parallel.mesh import make_mesh
 from runner.models.llama import Llama, LlamaConfig, LlamaFamily
 from runner.models.gpt import GPT, GPTConfig, GPTFamily
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
-built = []  # the zig-zag splash kernels built: proof the kernel ran, not the XLA blocks
-kernel = splash.zigzag_causal_kernel
+KIND, T = "allgather", 512  # the ring test replaces this line
+built = []  # the shards each splash kernel was built for: proof the kernel ran, not the XLA blocks
+kernel, ring_kernels = splash.zigzag_causal_kernel, splash_ring.kernels
 splash.zigzag_causal_kernel = lambda *a, **k: built.append(a[2]) or kernel(*a, **k)
-T = 512
+splash_ring.kernels = lambda *a, **k: built.append(T // a[1]) or ring_kernels(*a, **k)
 tokens = jax.random.randint(jax.random.PRNGKey(3), (2, T), 0, 64)
-# chunks of 64 tokens (context 4) or 128 (context 2): document edges on chunk edges (64, 128,
-# 256) and inside chunks (100, 300), a padded tail; the second row one document across shards
+# chunks of 64 tokens (context 4) or 128 (context 2) at T 512, 128 or 256 at 1024: document edges
+# on chunk edges (64, 128, 256) and inside chunks (100, 300), a padded tail; the second row one
+# document across shards
 seg = np.zeros((2, T), np.int32)
 for row, cuts in enumerate(([0, 64, 100, 128, 256, 300, 480], [0, 200, T])):
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
@@ -95,19 +98,24 @@ models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
 meshes = {"llama_gqa": ({"context": 4}, {"data": 2, "context": 2}, {"fsdp": 2, "context": 2},
                         {"context": 2, "tensor": 2}),
           "llama_mqa": ({"context": 2, "tensor": 2},), "gpt": ({"context": 4},)}
+if KIND == "ring":
+    meshes["gpt"] += ({"context": 4, "docs": 0},)  # rows without documents: no segment ids at all
 out = {}
 for name, (Model, Family, cfg) in models.items():
     params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
-    want, _ = logits_and_grads(Model(cfg), params, tokens, seg, positions)  # one device, xla
     for axes in meshes[name]:
+        docs = (seg, positions) if axes.get("docs", 1) else (None, None)
+        want, _ = logits_and_grads(Model(cfg), params, tokens, *docs)  # one device, xla
         shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
-        c = dataclasses.replace(cfg, attention="splash_interpret", context_parallel="allgather")
+        shape.pop("docs", None)
+        c = dataclasses.replace(cfg, attention="splash_interpret", context_parallel=KIND)
         before = len(built)
         with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
-            got, text = logits_and_grads(Model(c), params, tokens, seg, positions)
+            got, text = logits_and_grads(Model(c), params, tokens, *docs)
         key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items())
-        out[key] = {"error": relative_error(got, want), "gather": "all-gather" in text or "all_gather" in text,
-                    "kernels": built[before:]}
+        out[key] = {"error": relative_error(got, want), "kernels": built[before:],
+                    "gather": "all-gather" in text or "all_gather" in text,
+                    "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text}
 print(json.dumps(out))
 """
 
@@ -126,6 +134,23 @@ def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(t
         assert result["gather"], (name, result)
         ways = int(name.split("context")[1].split("/")[0])
         assert result["kernels"] and set(result["kernels"]) == {ways}, (name, result)  # split over the context axis
+
+
+@pytest.mark.e2e
+def test_the_splash_kernel_per_ring_block_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
+    """attention=splash with ring: every ring step one splash call (the own block causal, the
+    others' half blocks unmasked), merged by the kernels' log-sum-exps; the gradient by splash's
+    backward kernels with the merged softmax, key/value gradients travelling the ring home.
+    1024-token packed rows (each shard's half row fills the kernel's 128 tiles at context 4) on
+    the same meshes as allgather, and rows without documents: logits and gradients within float32
+    rounding of one device."""
+    out = run_script(SPLASH_EQUIVALENCE.replace('"allgather", 512', '"ring", 1024'), tmp_path)
+    assert len(out) == 7 and "gpt/context4/docs0" in out  # and one mesh with unpacked rows
+    for name, result in out.items():
+        assert result["error"] < 1e-5, (name, result)
+        assert result["permute"] and not result["gather"], (name, result)  # blocks passed, never gathered
+        ways = int(name.split("context")[1].split("/")[0])
+        assert result["kernels"] and set(result["kernels"]) == {ways}, (name, result)
 
 
 def test_the_zigzag_layout_gives_every_shard_the_same_causal_work() -> None:
@@ -178,19 +203,23 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
 
 
 @pytest.mark.e2e
-def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path) -> None:
+@pytest.mark.parametrize("kind, seq_len, card", [
+    ("allgather", 256, "splash_interpret kernel on each shard's rows, keys and values gathered over mesh.context=2"),
+    ("ring", 512, "splash_interpret kernel per block, key/value blocks passed around mesh.context=2 (ring)")],
+    ids=["allgather", "ring"])
+def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path, kind: str, seq_len: int,
+                                                                      card: str) -> None:
     """`python -m runner job.model.attention=splash mesh.context=2` (Pallas interpret mode on this
-    CPU) on packed 256-token rows: the kernel runs per shard (the run card says so) and the
-    losses are one device's XLA attention's."""
-    run = [*RUN, "job.model.n_kv_heads=1", "train.seq_len=256", "job.model.context_length=256", "train.steps=4",
-           "train.batch_size=4", "eval.every=0", "checkpoint.every_steps=0"]
+    CPU) on packed rows, allgather and ring: the kernel runs per shard or per block (the run card
+    says so) and the losses are one device's XLA attention's."""
+    run = [*RUN, "job.model.n_kv_heads=1", f"train.seq_len={seq_len}", f"job.model.context_length={seq_len}",
+           "train.steps=4", "train.batch_size=4", "eval.every=0", "checkpoint.every_steps=0"]
     one = run_runner([*run, "run.dir=one", "job.model.attention=xla"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert_same_losses(run, tmp_path, "split", ["mesh.data=2", "mesh.context=2", "job.model.attention=splash"],
-                       losses(tmp_path / "one"))
-    card = (tmp_path / "split" / "RUN_CARD.md").read_text()
-    assert "attention: splash_interpret kernel on each shard's rows, keys and values gathered over mesh.context=2" \
-        in card, card[:2000]
+    assert_same_losses(run, tmp_path, "split", ["mesh.data=2", "mesh.context=2", "job.model.attention=splash",
+                                                f"job.model.context_parallel={kind}"], losses(tmp_path / "one"))
+    text = (tmp_path / "split" / "RUN_CARD.md").read_text()
+    assert f"attention: {card}" in text, text[:2000]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
@@ -234,14 +263,31 @@ def test_what_cannot_run_context_parallel_is_refused() -> None:
     check_spec(dataclasses.replace(splash, job=ExecutionSpec().job))  # auto: xla blocks where splash cannot
     ring = dataclasses.replace(splash, train=TrainSpec(seq_len=512, batch_size=8), job=dataclasses.replace(
         spec.job, model=ModelSpec(attention="splash", context_parallel="ring")))
-    with pytest.raises(ConfigError, match=r"job.model.context_parallel='ring'.*allgather.*log-sum-exp"):
+    with pytest.raises(ConfigError, match=r"train.seq_len=512.*context_parallel=ring, ring's blocks are halves of "
+                       r"each shard's 512 / 4 tokens.*blocks of 128.*multiple of 1024"):
         check_spec(ring)
+    check_spec(dataclasses.replace(ring, train=TrainSpec(seq_len=1024, batch_size=8)))  # 128-token half blocks
     cudnn = dataclasses.replace(splash, job=dataclasses.replace(spec.job, model=ModelSpec(attention="cudnn")))
     with pytest.raises(ConfigError, match=r"job.model.attention='cudnn'.*no context-parallel form"):
         check_spec(cudnn)
     with pytest.raises(ConfigError, match=r"job.model.context_parallel"):
         validate(dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(
             context_parallel="ulysses"))))
+
+
+@pytest.mark.parametrize("kind, seq_len, attention", [("auto", 512, "splash"), ("ring", 1024, "splash"),
+                                                     ("ring", 512, "xla"), ("allgather", 256, "xla")])
+def test_auto_on_a_tpu_takes_the_splash_kernel_where_its_tiles_fit_the_shards(kind: str, seq_len: int,
+                                                                               attention: str) -> None:
+    """attention=auto on a TPU topology with mesh.context=4: the splash kernel when each shard's
+    share of a row (allgather) or each half of it (ring) fills 128-token tiles, else XLA blocks."""
+    from runner.models import model_config
+    from runner.spec import ExecutionSpec, MeshSpec, ModelSpec, TrainSpec
+
+    spec = dataclasses.replace(ExecutionSpec(topology="v5p-8"), mesh=MeshSpec(data=1, context=4),
+                               train=TrainSpec(seq_len=seq_len, batch_size=8))
+    spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(context_parallel=kind)))
+    assert model_config(spec).attention == attention
 
 
 @pytest.mark.e2e
