@@ -11,7 +11,9 @@ log-sum-exp (each block's probabilities are exp(score - merged log-sum-exp)), so
 gradient is splash's own backward kernels run with those; the key/value gradients travel around
 the ring with their blocks and go home after the last step (ring-flash-attention's scheme). The
 kernel's public gradient cannot do this (it has none for its log-sum-exp), hence a custom VJP
-around the whole ring.
+around the whole ring; it calls splash's backward (`_splash_attention_bwd`, the one private name
+used: tests/parallel/test_context_parallel.py compares every gradient with one device's, so a jax
+that changes it fails there first).
 
 Masks. In the zig-zag layout (shard i holds chunks i and 2C-1-i) every step's mask is static:
     its own block     causal over its two chunks, which keep their order;
@@ -115,6 +117,7 @@ def _pad(x: jax.Array, axis: int, before: bool, value: float = 0.0) -> jax.Array
 
 
 def _halves(seg: Optional[jax.Array], second: bool) -> Optional[jax.Array]:
+    """The first or second half of (B, L) segment ids (None stays None)."""
     if seg is None:
         return None
     half = seg.shape[1] // 2
