@@ -110,10 +110,22 @@ def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
     sys.stderr = open(os.devnull, "w")
     os.write(terminal, paragraph.encode())  # one write: no other thread's output lands inside it
     os.close(terminal)
+    sys.stdout.flush()
     if code == PREEMPTED_EXIT_CODE:  # storage unavailable: its clients' threads may retry for many minutes
-        sys.stdout.flush()
         os._exit(code)
-    sys.exit(code)
+    _exit_without_finalizing(code)
+
+
+def _exit_without_finalizing(code: int) -> None:
+    """Run the libraries' exit handlers (wandb, jax.distributed, logging), then leave without
+    finalizing the interpreter: tensorstore's threads, still finishing a failed save's writes, may
+    call into Python while it finalizes, and on Python 3.12 such a C++ thread is ended by a forced
+    unwind that aborts the process (seen in CI: exit -6 after the paragraph of a full disk)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _composition_error(err: Exception) -> str:
