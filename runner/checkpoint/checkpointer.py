@@ -45,6 +45,23 @@ class CheckpointWriteError(UserError):
 StorageUnavailable = storage.StorageUnavailable  # (exit 75; raised here for run.dir's checkpoints)
 
 
+def _barriers_through_the_coordination_service() -> None:
+    """Orbax's barriers between processes are, by default, an allgather on the devices. A save
+    abandoned on one process (a bucket that stopped answering: `storage.bounded`) leaves that
+    allgather queued on its devices, waiting for processes that gave up on it too, and every
+    later computation there (the local tier's save of the same step) waits behind it. Orbax's
+    own flag makes them barriers of the coordination service instead: off the devices, and with
+    a timeout. (Set as orbax's benchmarks set it; runner parses no absl flags.)"""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    flag = flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name]
+    flag.value, flag.present = True, 1
+
+
+_barriers_through_the_coordination_service()
+
+
 @dataclass(frozen=True)
 class Restored:
     step: int

@@ -112,6 +112,9 @@ def fail(message: str, code: int = USAGE_EXIT_CODE) -> None:
     os.close(terminal)
     sys.stdout.flush()
     if code == PREEMPTED_EXIT_CODE:  # storage unavailable: its clients' threads may retry for many minutes
+        from runner.parallel import distributed
+
+        distributed.leave_together()  # the other processes may still be keeping their step locally
         os._exit(code)
     _exit_without_finalizing(code)
 

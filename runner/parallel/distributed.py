@@ -66,6 +66,32 @@ def maybe_initialize(spec: DistributedSpec, topology_hosts: int = 0) -> None:
     _initialized = True
 
 
+def leave_together(timeout_s: float = 330) -> None:
+    """Disconnect from the coordination service once every process has (jax.distributed's
+    shutdown barrier), for a run stopping on every process at once but not at the same moment
+    (a bucket that stays down: each process keeps its step in the local tier first, and those
+    saves use the service). Process 0 hosts the service: leaving before the others would abort
+    them mid-save. A process that never arrives releases the others after the service's own
+    shutdown timeout (300 s); `timeout_s` bounds the wait here in case it does not."""
+    global _initialized
+    if not _initialized:
+        return
+    import threading
+
+    import jax
+
+    def shutdown() -> None:
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # a peer that never arrived: nothing left to coordinate
+            pass
+
+    waiter = threading.Thread(target=shutdown, name="runner-leave", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    _initialized = False
+
+
 def any_process(flag: bool) -> bool:
     """Whether `flag` is set on any process (a tiny allgather; call it on every process)."""
     import jax

@@ -18,6 +18,7 @@ import pytest
 
 from runner.checkpoint import storage
 from tests.conftest import TINY, read_metrics, run_runner, runner_env
+from tests.checkpoint.test_local_tier import two_process_reference  # noqa: F401 (a fixture: two processes, uninterrupted)
 from tests.train.test_restore import BASE, STEPS, assert_tensorboard_matches_metrics, goodput_of, reference  # noqa: F401 (reference: the same run on a local disk, a fixture)
 from tests.train.test_restore import assert_same_run as assert_same_as_reference
 
@@ -291,33 +292,43 @@ def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_b
     assert_same_as_reference(gcs.download(url, tmp_path / "copy"), reference)
 
 
-def test_a_bucket_that_stays_down_stops_the_run_with_75_after_keeping_the_local_tier(tmp_path, gcs,
-                                                                                     reference) -> None:
-    """The bucket goes down (every request 503) when the durable save of step 16 begins (after
-    step 8 committed there and local saves of 10, 12 and 14). That save fails past the clients'
-    retries: it keeps step 16 in the local tier, stops with exit 75 and one paragraph, and leaves
-    no half-committed checkpoint in the bucket. With the bucket back, the same command resumes
-    from the local tier and ends bit-exact."""
+def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_local_tier(
+        tmp_path, gcs, two_process_reference) -> None:
+    """Two processes x two devices. The bucket goes down (every request 503) when the first durable
+    save begins, at step 8, after local saves of 2, 4 and 6. On each process that save fails past
+    the clients' retries or the bound: each keeps step 8 in its local tier, stops with exit 75 and
+    one paragraph, and the bucket holds no checkpoint, half-committed or not. The processes do not
+    wait for one another (orbax's barriers run through the coordination service, not on the
+    devices, where an abandoned save's barrier would block the local save) and leave together
+    (process 0 hosts that service). With the bucket back, the same command resumes from step 8 in
+    the local tier and ends bit-exact with an uninterrupted run."""
     from tests.checkpoint.faulty_proxy import Faults, FaultyProxy
+    from tests.checkpoint.test_local_tier import BASE as TIER_BASE
+    from tests.checkpoint.test_local_tier import TIERS, assert_bitwise, launched, local_steps
 
     url = f"gs://{gcs.bucket()}/down"
-    faults = Faults(down_from="down/checkpoints/16")
-    args = [*BASE, f"run.dir={url}", f"checkpoint.local.dir={tmp_path / 'local'}", "checkpoint.local.every_steps=2",
+    faults = Faults(down_from="down/checkpoints/8")
+    local = tmp_path / "local"
+    args = [*TIER_BASE, *TIERS, f"run.dir={url}", f"checkpoint.local.dir={local}",
             "checkpoint.storage_timeout_minutes=0.15"]
     with FaultyProxy(gcs.url, faults) as proxy:
         env = {storage.EMULATOR: proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
-        stopped = run_runner(args, tmp_path, timeout=600, **env)
+        stopped = launched(args, tmp_path, **env)
         assert faults.down
-        assert stopped.returncode == 75, stderr_tail(stopped)
-        assert "Traceback" not in stopped.stderr and "Step 16 is kept in the local tier" in stopped.stderr, \
-            stderr_tail(stopped)
-        assert gcs.steps(url) == [8], (gcs.fs.find(url.removeprefix("gs://") + "/checkpoints"), stderr_tail(stopped))  # 16 never committed there
+        for i, (code, out, err) in enumerate(stopped):
+            assert code == 75, f"process {i}: {out[-1500:]}\n---\n{err[-3000:]}"
+            assert "Traceback" not in err and "unavailable: saving checkpoint step 8" in err, err[-3000:]
+            assert f"Step 8 is kept in the local tier ({next(local.glob(f'*/*/process-{i}'))})" in err, err[-3000:]
+        assert local_steps(local) == {"process-0": [6, 8], "process-1": [6, 8]}  # checkpoint.local.keep=2
+        assert not [f for f in gcs.fs.find(url.removeprefix("gs://")) if f.endswith("commit_success.txt")]
         faults.down = False
-        again = run_runner(args, tmp_path, timeout=600, **env)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step 16 (local tier" in again.stdout
-    assert_same_as_reference(gcs.download(url, tmp_path / "copy"), reference)
+        again = launched(args, tmp_path, **env)
+    for code, _, err in again:
+        assert code == 0, err[-3000:]
+    assert "resumed from step 8 (local tier" in again[0][1], again[0][1][-2000:]
+    assert_bitwise(gcs.download(url, tmp_path / "copy"), two_process_reference)
 
 
 def stderr_tail(result: subprocess.CompletedProcess) -> str:
     return result.stdout[-1500:] + "\n---\n" + result.stderr[-3000:]
+

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-from pathlib import Path
 from typing import Any
 
 import jax

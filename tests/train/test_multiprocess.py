@@ -134,6 +134,44 @@ def test_a_dead_process_makes_the_others_exit_in_bounded_time(tmp_path, victim) 
     assert time.time() - start < 60
 
 
+LEAVING = """
+import os, sys, time
+from runner.parallel import distributed
+from runner.spec import DistributedSpec
+distributed.maybe_initialize(DistributedSpec())
+import jax
+from jax._src.distributed import global_state
+if jax.process_index() == 1:  # still at work on the coordination service when process 0 is done
+    time.sleep(3)
+    global_state.client.key_value_set("late", "1")
+    print("late write done", flush=True)
+if sys.argv[1] == "together":
+    distributed.leave_together()
+sys.stdout.flush()
+os._exit(0)  # as runner's exit 75 leaves
+"""
+
+
+@pytest.mark.e2e
+def test_process_zero_leaving_waits_for_the_processes_still_using_its_coordination_service(tmp_path) -> None:
+    """Process 0 hosts the coordination service: leaving while another process still uses it (its
+    local save on exit 75) aborts that process. `leave_together` waits for every process."""
+    def both(how: str) -> list[tuple[int, str, str]]:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, "-c", LEAVING, how], cwd=tmp_path, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=runner_env(tmp_path, 1, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+                 for i in range(2)]
+        return finish(procs, timeout=120)
+
+    apart = both("apart")
+    assert apart[0][0] == 0 and apart[1][0] != 0 and "late write done" not in apart[1][1]
+    together = both("together")
+    assert [code for code, _, _ in together] == [0, 0], together[1][2][-2000:]
+    assert "late write done" in together[1][1]
+
+
 def test_when_jax_distributed_is_started(monkeypatch) -> None:
     from runner.parallel.distributed import settings, spans_several_processes
     from runner.spec import DistributedSpec
