@@ -49,6 +49,7 @@ def _quiet_libraries(log_to_stderr: bool = True) -> None:
     if log_to_stderr:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncio").addFilter(_drop_abandoned_readers)
+    logging.getLogger("gcsfs").addFilter(_one_line_when_out_of_retries)
     _without_late_reads()
     try:
         from absl import logging as absl_logging
@@ -67,6 +68,15 @@ def _drop_abandoned_readers(record: logging.LogRecord) -> bool:
     whenever the garbage collector finds it, possibly before runner prints its one paragraph about
     the damage. Those records say nothing the paragraph does not."""
     return "exception was never retrieved" not in str(record.msg)
+
+
+def _one_line_when_out_of_retries(record: logging.LogRecord) -> bool:
+    """gcsfs logs a request that ran out of retries (a bucket down) with its traceback; runner
+    handles every such failure (exit 75 with a paragraph, or a warning), so the line is kept, as a
+    line, and the traceback through gcsfs's retry loop is dropped."""
+    if "out of retries" in str(record.msg):
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _late_read(kind: type[BaseException] | None, value: BaseException | None, tb: Any) -> bool:

@@ -18,8 +18,10 @@ class StopConditions:
     # Looking for a stop file in a bucket is a request: at most this often (locally: every check).
     REMOTE_STOP_FILE_EVERY_S = 10.0
 
-    def __init__(self, spec: Any, run_dir: Any, start_step: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.spec = spec
+    def __init__(self, spec: Any, run_dir: Any, start_step: int, clock: Callable[[], float] = time.monotonic,
+                 warn: Callable[[str], None] = lambda text: print(f"warning: {text}", flush=True)) -> None:
+        self.spec, self.warn = spec, warn
+        self._stop_file_failed = False
         self.start_step = start_step
         self.clock = clock
         self.started = clock()
@@ -46,9 +48,24 @@ class StopConditions:
                 return f"the time limit (train.time_limit_minutes={self.spec.train.time_limit_minutes})"
         if self.stop_file is not None and self.clock() - self._stop_file_looked >= self._stop_file_every_s:
             self._stop_file_looked = self.clock()
-            if self.stop_file.exists():
+            if self._stop_file_present():
                 return f"the stop file {self.stop_file}"  # removed by consume_stop_file once honoured
         return None
+
+    def _stop_file_present(self) -> bool:
+        """A look that fails (a bucket answering 503 past its client's retries) is not a stop
+        request and must not end the run: it is warned about once (by the process that saw it) and
+        tried again at the next look.
+        Whether the storage is down for good is the durable tier's call, at its next save."""
+        assert self.stop_file is not None
+        try:
+            return bool(self.stop_file.exists())
+        except Exception as err:
+            if not self._stop_file_failed:
+                self.warn(f"cannot look for the stop file {self.stop_file} ({type(err).__name__}: "
+                          f"{str(err)[:200]}); training goes on and it is looked for again later.")
+            self._stop_file_failed = True
+            return False
 
     def check(self, step: int, step_seconds: float, processes: int) -> Optional[str]:
         """The agreed reason to stop at this step boundary, or None. With several processes the

@@ -96,6 +96,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.step = 0
         self.restored_step: Optional[int] = None
         self.restored_from = ""  # where the restore came from (tier and directory)
+        self.restored_tier = ""  # "durable" or "local" once restored
         self.wandb_run_id: Optional[str] = None
         self.last_metrics: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
@@ -249,6 +250,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             lost = truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
             self.goodput.carry(restored.meta.get("goodput"), lost, self.step)
             self.restored_from = self.checkpoints.restored_from(restored)
+            self.restored_tier = restored.tier
             if restored.tier == "local":
                 self.goodput.local_tier_spared_steps = self.step - (self.checkpoints.durable_newest or 0)
         self.callbacks("on_init_end", self)
@@ -482,6 +484,16 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.checkpoints.close()
 
     def finished_already(self) -> None:
+        """Nothing left to train. A last step restored from the local tier is not in the durable
+        tier yet (the launch that reached it stopped when its durable save failed): saved there now,
+        before the local tier (a host's disk) can be lost."""
+        if self.restored_tier == "local":
+            self.save()
+            if jax.process_index() == 0:
+                print(f"Run {self.run_dir} had reached step {self.step} (train.steps={self.spec.train.steps}), but that "
+                      f"step was only in the local tier ({self.restored_from}); it is now saved to "
+                      f"{self.checkpointer.directory}.", flush=True)
+            return
         if jax.process_index() == 0:
             print(f"Run {self.run_dir} already finished at step {self.step} (train.steps={self.spec.train.steps}); "
                   f"nothing to do. Raise train.steps to continue it.", flush=True)

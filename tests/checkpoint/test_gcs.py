@@ -292,43 +292,56 @@ def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_b
     assert_same_as_reference(gcs.download(url, tmp_path / "copy"), reference)
 
 
+@pytest.mark.parametrize("down_for, mesh, stop", [((0, 1), [], 8), ((1,), ["mesh.data=1", "mesh.fsdp=4"], 16)],
+                         ids=["every-process", "one-process-fsdp4"])
 def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_local_tier(
-        tmp_path, gcs, two_process_reference) -> None:
-    """Two processes x two devices. The bucket goes down (every request 503) when the first durable
-    save begins, at step 8, after local saves of 2, 4 and 6. On each process that save fails past
-    the clients' retries or the bound: each keeps step 8 in its local tier, stops with exit 75 and
-    one paragraph, and the bucket holds no checkpoint, half-committed or not. The processes do not
-    wait for one another (orbax's barriers run through the coordination service, not on the
-    devices, where an abandoned save's barrier would block the local save) and leave together
-    (process 0 hosts that service). With the bucket back, the same command resumes from step 8 in
-    the local tier and ends bit-exact with an uninterrupted run."""
+        tmp_path, gcs, two_process_reference, down_for, mesh, stop) -> None:
+    """Two processes x two devices; durable saves at 8 and 16, local saves every 2 steps. The
+    bucket goes down (every request 503) when the durable save of step 8 begins: for both
+    processes (the state replicated over data=4), or for process 1 alone (its own proxy; the
+    state split over both by fsdp=4, so the local save's checksums are a collective step).
+    Both: the save of 8 fails past the clients' retries or the bound on each process.
+    Process 1 alone: its writes of 8 fail in the background and process 0's commit of 8 waits for
+    them, so each process's save of 16, which first waits for 8's, reaches the bound (runner
+    agrees on nothing extra: orbax's barriers tie the processes' saves together). Each process
+    keeps the step in its local tier and stops with exit 75 and one paragraph, no traceback; the
+    bucket holds no commit marker. No process waits on another's abandoned save (orbax's barriers
+    run through the coordination service, not as a collective on the devices) and they leave
+    together (process 0 hosts that service). With the bucket back, the same command resumes from
+    the local tier and ends bit-exact with an uninterrupted run on the same mesh."""
     from tests.checkpoint.faulty_proxy import Faults, FaultyProxy
     from tests.checkpoint.test_local_tier import BASE as TIER_BASE
     from tests.checkpoint.test_local_tier import TIERS, assert_bitwise, launched, local_steps
+    from tests.train.test_multiprocess import finish, launch
 
+    expected = two_process_reference
+    if mesh:
+        for code, _, stderr in launched([*TIER_BASE, *mesh, "run.dir=reference", "checkpoint.every_steps=8"],
+                                        tmp_path):
+            assert code == 0, stderr[-3000:]
+        expected = tmp_path / "reference"
     url = f"gs://{gcs.bucket()}/down"
-    faults = Faults(down_from="down/checkpoints/8")
     local = tmp_path / "local"
-    args = [*TIER_BASE, *TIERS, f"run.dir={url}", f"checkpoint.local.dir={local}",
+    args = [*TIER_BASE, *TIERS, *mesh, f"run.dir={url}", f"checkpoint.local.dir={local}",
             "checkpoint.storage_timeout_minutes=0.15"]
-    with FaultyProxy(gcs.url, faults) as proxy:
-        env = {storage.EMULATOR: proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
-        stopped = launched(args, tmp_path, **env)
+    faults = Faults(down_from="down/checkpoints/8")
+    with FaultyProxy(gcs.url, faults) as down, FaultyProxy(gcs.url, Faults()) as up:
+        proxies = [down if i in down_for else up for i in range(2)]
+        stopped = finish(launch(args, tmp_path, per_process=[
+            {storage.EMULATOR: p.url, "TENSORSTORE_GCS_HTTP_URL": p.url} for p in proxies]), timeout=300)
         assert faults.down
         for i, (code, out, err) in enumerate(stopped):
             assert code == 75, f"process {i}: {out[-1500:]}\n---\n{err[-3000:]}"
-            assert "Traceback" not in err and "unavailable: saving checkpoint step 8" in err, err[-3000:]
-            assert f"Step 8 is kept in the local tier ({next(local.glob(f'*/*/process-{i}'))})" in err, err[-3000:]
-        assert local_steps(local) == {"process-0": [6, 8], "process-1": [6, 8]}  # checkpoint.local.keep=2
+            assert "Traceback" not in err and f"unavailable: saving checkpoint step {stop}" in err, err[-3000:]
+            assert f"Step {stop} is kept in the local tier ({next(local.glob(f'*/*/process-{i}'))})" in err, err[-3000:]
+        assert local_steps(local) == {"process-0": [stop - 2, stop], "process-1": [stop - 2, stop]}  # keep=2
         assert not [f for f in gcs.fs.find(url.removeprefix("gs://")) if f.endswith("commit_success.txt")]
         faults.down = False
-        again = launched(args, tmp_path, **env)
+        again = launched(args, tmp_path, **{storage.EMULATOR: up.url, "TENSORSTORE_GCS_HTTP_URL": up.url})
     for code, _, err in again:
         assert code == 0, err[-3000:]
-    assert "resumed from step 8 (local tier" in again[0][1], again[0][1][-2000:]
-    assert_bitwise(gcs.download(url, tmp_path / "copy"), two_process_reference)
-
-
-def stderr_tail(result: subprocess.CompletedProcess) -> str:
-    return result.stdout[-1500:] + "\n---\n" + result.stderr[-3000:]
-
+    resumed = (f"resumed from step {stop} (local tier" if stop < 16 else
+               "had reached step 16 (train.steps=16), but that step was only in the local tier")
+    assert resumed in again[0][1], again[0][1][-2000:]
+    assert gcs.steps(url) == [16]  # (8, restored from the local tier, is not saved durably again)
+    assert_bitwise(gcs.download(url, tmp_path / "copy"), expected)

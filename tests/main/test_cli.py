@@ -140,3 +140,29 @@ def test_readers_abandoned_by_a_failed_restore_print_no_traceback(tmp_path) -> N
     assert quiet.returncode == 0 and quiet.stdout == "after\n", quiet.stderr
     assert "never retrieved" not in quiet.stderr and "call_soon_threadsafe" not in quiet.stderr, quiet.stderr
     assert quiet.stderr.count("Traceback") == 1 and "in run_until_complete" in quiet.stderr  # not a late read: kept
+
+
+def test_a_bucket_request_out_of_retries_is_one_line_without_its_traceback() -> None:
+    import io
+    import logging
+
+    from runner.main.cli import _one_line_when_out_of_retries
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("gcsfs.test-only")
+    log.addHandler(handler)
+    log.addFilter(_one_line_when_out_of_retries)
+    log.propagate = False
+    try:
+        for message in ("_request out of retries on exception: injected, 503", "something else failed"):
+            try:
+                raise OSError("injected, 503")
+            except OSError:
+                log.exception(message)
+    finally:
+        log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "ERROR gcsfs.test-only: _request out of retries on exception: injected, 503"
+    assert lines[1] == "ERROR gcsfs.test-only: something else failed" and lines[2] == "Traceback (most recent call last):"

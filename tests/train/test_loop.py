@@ -237,3 +237,18 @@ def test_stop_requests_use_the_time_limit_by_the_clock(tmp_path: Path) -> None:
     # The first read covers two steps (in a real run, the one that compiles), so the longest "step"
     # seen is 10 s; room is kept for 3 of those: the run stops once 30 s + 30 s reach 60 s.
     assert ending.stop and "time limit" in ending.stop and ending.step == 6
+
+
+def test_a_stop_file_that_cannot_be_looked_for_is_no_stop_request(tmp_path: Path) -> None:
+    """A bucket answering 503 to the stop file's probe: a warning, once; training goes on, and a
+    stop file that can be seen again is honoured."""
+    warned: list[str] = []
+    spec = ExecutionSpec(train=TrainSpec(steps=100, stop_file="STOP"))
+    stops = StopConditions(spec, tmp_path, 0, warn=warned.append)
+    down = SimpleNamespace(exists=lambda: (_ for _ in ()).throw(OSError("injected, 503")))
+    stops.stop_file = down
+    assert stops.check(1, 0.1, processes=1) is None and stops.check(2, 0.1, processes=1) is None
+    assert len(warned) == 1 and "injected, 503" in warned[0] and "goes on" in warned[0]
+    stops.stop_file = tmp_path / "STOP"
+    (tmp_path / "STOP").touch()
+    assert "stop file" in stops.check(3, 0.1, processes=1)

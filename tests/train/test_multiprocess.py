@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -26,18 +27,20 @@ def free_port() -> int:
 
 
 def launch(args: list[str], tmp_path: Path, processes: int = 2, devices: int = 2, via_config: bool = False,
-           **env: str) -> list[subprocess.Popen]:
-    """N processes joined through the standard JAX variables, or through the distributed.* keys."""
+           per_process: Optional[list[dict[str, str]]] = None, **env: str) -> list[subprocess.Popen]:
+    """N processes joined through the standard JAX variables, or through the distributed.* keys;
+    `per_process[i]`: process i's own variables (beside `env`, everyone's)."""
     port = free_port()
     procs = []
     for i in range(processes):
+        mine = {**env, **(per_process[i] if per_process else {})}
         if via_config:
-            e = runner_env(tmp_path, devices, **env)
+            e = runner_env(tmp_path, devices, **mine)
             extra = [f"distributed.coordinator_address=localhost:{port}", f"distributed.num_processes={processes}",
                      f"distributed.process_id={i}"]
         else:
             e = runner_env(tmp_path, devices, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **env)
+                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **mine)
             extra = []
         procs.append(subprocess.Popen([sys.executable, "-m", "runner", *args, *extra], cwd=tmp_path, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
