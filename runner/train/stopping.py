@@ -55,8 +55,8 @@ class StopConditions:
     def _stop_file_present(self) -> bool:
         """A look that fails (a bucket answering 503 past its client's retries) is not a stop
         request and must not end the run: it is warned about once (by the process that saw it) and
-        tried again at the next look.
-        Whether the storage is down for good is the durable tier's call, at its next save."""
+        tried again at the next look. Whether the storage is down for good is the durable tier's
+        call, at its next save."""
         assert self.stop_file is not None
         try:
             return bool(self.stop_file.exists())

@@ -486,8 +486,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def finished_already(self) -> None:
         """Nothing left to train. A last step restored from the local tier is not in the durable
         tier yet (the launch that reached it stopped when its durable save failed): saved there now,
-        before the local tier (a host's disk) can be lost."""
-        if self.restored_tier == "local":
+        before the local tier (a host's disk) can be lost (unless that save committed after all)."""
+        if self.restored_tier == "local" and self.step not in self.checkpointer.steps():
             self.save()
             if jax.process_index() == 0:
                 print(f"Run {self.run_dir} had reached step {self.step} (train.steps={self.spec.train.steps}), but that "

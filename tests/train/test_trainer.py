@@ -143,3 +143,34 @@ def test_loop_runs_with_a_frozen_heap(trainer) -> None:
         del trainer.on_step_start
     assert seen and min(seen) > 1000, seen
     assert gc.get_freeze_count() == 0
+
+
+def test_a_last_step_found_only_in_the_local_tier_is_saved_durably_once(tmp_path, capsys) -> None:
+    """A launch that reached train.steps but whose durable save failed kept the step in the local
+    tier: the rerun, with nothing left to train, saves it to run.dir; a rerun after that (both
+    tiers hold it) only says the run is finished."""
+    overrides = [*TINY, f"run.dir={tmp_path / 'run'}", "train.steps=2", f"checkpoint.local.dir={tmp_path / 'local'}",
+                 "checkpoint.local.every_steps=1"]
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        spec = build_spec(compose(CONFIG_NAME, overrides=overrides), overrides)
+
+    def launch() -> object:
+        job = JOBS.get(spec.job.trainer)(spec)
+        job.load()
+        return job
+
+    first = launch()
+    first.step = 2  # (as if trained) the final state, kept by the local tier alone
+    first.checkpoints.save_local()
+    first.close()
+    second = launch()
+    assert second.restored_tier == "local" and second.done and second.checkpointer.steps() == []
+    second.finished_already()
+    second.close()
+    assert second.checkpointer.steps() == [2]
+    assert "had reached step 2 (train.steps=2), but that step was only in the local tier" in capsys.readouterr().out
+    third = launch()
+    assert third.restored_tier == "local" and third.done  # (the local copy is as new as the durable one)
+    third.finished_already()
+    third.close()
+    assert "already finished at step 2" in capsys.readouterr().out
