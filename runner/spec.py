@@ -498,9 +498,18 @@ class RunSpec(_Frozen):
     # What a sweep member returns to the sweeper (Optuna minimizes or maximizes it, as
     # hydra.sweeper.direction says): a logged metric's last value; "": the first held-out loss.
     objective: str = ""
+    # The watchdog (runner.train.watchdog): a process without progress (a step, a save, an evaluation)
+    # this long writes its stacks to <run.dir>/hangs/ and every process exits 75. A duration (90s,
+    # 10m, 1h, seconds); auto: from the compile time and the median step; 0: off.
+    hang_timeout: str = "auto"
 
     def check(self, spec: ExecutionSpec) -> None:
-        _check_rules("run", self, (("init_mode", ("params", "full")),))
+        _check_rules("run", self, (
+            ("init_mode", ("params", "full")),
+            ("hang_timeout", lambda v: v == "auto" or duration_seconds(v) is not None,
+             "it is neither auto nor a duration.",
+             "write a duration such as 600, 90s, 10m or 1h; auto to derive it from the compile and step "
+             "times; or 0 to turn the watchdog off.")))
 
 
 @dataclass(frozen=True)
@@ -580,6 +589,16 @@ def derive_run_dir(root: str, job_name: str, overrides: list[str] | tuple[str, .
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(s|m|min|h)?\s*$")
+_UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def duration_seconds(text: str) -> Optional[float]:
+    """`90`, `90s`, `10m`, `1.5h` in seconds; None for anything else (`auto` included)."""
+    match = _DURATION.match(str(text))
+    return float(match.group(1)) * _UNIT_S[match.group(2)] if match else None
 
 
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:

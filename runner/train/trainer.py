@@ -59,6 +59,7 @@ from runner.train.loop import Ending, Loop
 from runner.train.program import Program
 from runner.train.state import TrainState
 from runner.train.stopping import StopConditions, consume_stop_file
+from runner.train.watchdog import Watchdog
 
 M = TypeVar("M")  # the model type
 
@@ -106,6 +107,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.goodput = Goodput()  # where this run's wall time goes (runner.observability.goodput)
         self.checkpoints = Checkpointing(spec, self.run_dir, self, warn=self.warn)
         self._loader: Any = None
+        self.watchdog: Optional[Watchdog] = None  # run.hang_timeout, from the first step of train()
 
     # ================================================================== job-specific parts
 
@@ -296,7 +298,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                     raise
                 self.warn(f"{err} The local save of step {step} goes ahead; its metrics stay in memory until an "
                           "upload succeeds.")
-        with self.goodput.timing("checkpoint" if tier == "durable" else "checkpoint_local"):
+        with self.watching("save", step), self.goodput.timing("checkpoint" if tier == "durable" else "checkpoint_local"):
             yield
         self.callbacks("on_save_end", self, step=step)
 
@@ -394,16 +396,21 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         numbers; tell the checkpoint policy (best-K)."""
         assert self.logger is not None
         self.callbacks("on_eval_start", self, step=self.step)
-        with self.goodput.timing("eval"):
+        with self.watching("eval", self.step), self.goodput.timing("eval"):
             results = self.evaluate(only)
         self.callbacks("on_eval_end", self, step=self.step, results=results)
         self.logger.log_eval(self.step, results, self.last_texts)
         self.checkpoints.note_evaluation(self.step, results, complete=only is None)
 
+    def watching(self, phase: str, step: int) -> contextlib.AbstractContextManager[None]:
+        """A save or an evaluation, as the watchdog sees it (progress at both ends)."""
+        return self.watchdog.busy(phase, step) if self.watchdog is not None else contextlib.nullcontext()
+
     def components(self, logger: MetricsLogger, stops: StopConditions, loader: Any) -> list[Any]:
         """The loop's components, in the order they act at a step (see runner.train.hooks)."""
         spec = self.spec
         return [
+            *([self.watchdog] if self.watchdog is not None else []),
             ProfilerWindow(debug.Profiler(self.run_dir, spec.debug.profile_start, spec.debug.profile_steps)),
             MetricsReport(spec, logger, self.step, data_wait=lambda: getattr(loader, "wait_seconds", 0.0),
                           warn=self.warn, throughput=self.throughput, goodput=self.goodput_report),
@@ -431,6 +438,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 self.prepare_evaluators()
             with self.goodput.timing("compile"):
                 step_fn = self.program.train_executable(self.state)
+            self.watchdog = Watchdog.for_run(self.spec, self.run_dir, lambda: self.goodput.spent["compile"])
             self.write_run_card()
             loop = Loop(self, step_fn, self._device_batches(loader), self.components(logger, stops, loader),
                         self.spec.train.steps)
@@ -478,6 +486,9 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.write_run_card(final=True)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self.logger is not None:
             self.logger.close()
             self.logger = None

@@ -194,3 +194,74 @@ def test_when_jax_distributed_is_started(monkeypatch) -> None:
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     assert settings(DistributedSpec())[3]  # a SLURM allocation of several tasks: auto-detect
+
+
+# ------------------------------------------------------------------ the watchdog (run.hang_timeout)
+
+HANG_S = 8
+WATCHED = [*BASE, "eval.every=0", f"run.hang_timeout={HANG_S}s", "logging.progress=plain"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """An uninterrupted two-process run: the reference a healed run must equal bit for bit."""
+    tmp = tmp_path_factory.mktemp("two")
+    results = finish(launch([*WATCHED, "run.dir=run"], tmp))
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    return tmp / "run"
+
+
+def assert_identical_runs(a: Path, b: Path) -> None:
+    la = {r["step"]: r["loss"] for r in read_metrics(a) if "loss" in r}
+    lb = {r["step"]: r["loss"] for r in read_metrics(b) if "loss" in r}
+    assert la == lb and sorted(la) == list(range(1, STEPS + 1))
+    for x, y in zip(params_of(a, STEPS), params_of(b, STEPS), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def stalled_at_step_6(tmp_path: Path, fault: str, **env: str) -> tuple[list[tuple[int, str, str]], float]:
+    """Two processes, process 1 stopping for good as step 6 is dispatched: (their results, seconds
+    from the moment process 0 logged step 5, the last step both finished, to the last exit)."""
+    procs = launch([*WATCHED, "run.dir=run"], tmp_path, RUNNER_FAULT=f"{fault}:6@1", **env)
+    wait_for_lines(tmp_path / "run" / "metrics.jsonl", 5)
+    start = time.time()
+    results = finish(procs, timeout=300)
+    return results, time.time() - start
+
+
+@pytest.mark.e2e
+def test_a_process_stalled_in_a_step_makes_every_process_exit_75_and_the_rerun_ends_bitwise(
+        tmp_path, two_processes) -> None:
+    results, seconds = stalled_at_step_6(tmp_path, "stall_in_step")
+    assert [code for code, _, _ in results] == [75, 75], results[0][2][-2000:] + results[1][2][-2000:]
+    assert seconds < HANG_S + 30  # the timeout, plus the ack wait and the start of the processes' exits
+    for code, _, stderr in results:
+        assert stderr.count("error: watchdog:") == 1 and "Every process stops with exit 75" in stderr
+        assert "Traceback" not in stderr
+    hangs = tmp_path / "run" / "hangs"
+    stalled = (hangs / "process-1.txt").read_text()
+    assert "in stall_in_step" in stalled and "last step done on this process: " in stalled
+    assert "runner-watchdog" not in stalled or "_watch" in stalled  # every thread, the watchdog's own too
+    assert (hangs / "process-0.txt").exists()
+
+    rerun = finish(launch([*WATCHED, "run.dir=run"], tmp_path))
+    for code, _, stderr in rerun:
+        assert code == 0, stderr[-3000:]
+    assert "resumed from step 4 " in rerun[0][1]
+    assert_identical_runs(tmp_path / "run", two_processes)
+
+
+@pytest.mark.e2e
+def test_a_wedged_process_that_cannot_notice_is_noticed_by_the_other(tmp_path) -> None:
+    """Process 1 holds the interpreter lock for good (no Python thread of it runs again): process 0
+    notices alone and exits 75; process 1 is ended by faulthandler's own timer, its stack on stderr."""
+    results, seconds = stalled_at_step_6(tmp_path, "wedge_in_step")
+    (code0, _, err0), (code1, _, err1) = results
+    assert code0 == 75, err0[-2000:]
+    assert "no progress for" in err0 and "on process 0" in err0
+    assert (tmp_path / "run" / "hangs" / "process-0.txt").exists()
+    assert not (tmp_path / "run" / "hangs" / "process-1.txt").exists()  # its Python never ran again
+    assert code1 != 0 and code1 != 75
+    assert "in wedge_in_step" in err1, err1[-3000:]  # faulthandler's dump, written without the lock
+    assert seconds < HANG_S + 60

@@ -1,0 +1,159 @@
+"""run.hang_timeout: the watchdog, in-process with a fake clock and fake peers (the two-process
+cases, a real stall and a real wedge, are in tests/train/test_multiprocess.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from runner.errors import ConfigError
+from runner.spec import ExecutionSpec, RunSpec, duration_seconds, validate
+from runner.train.watchdog import AUTO_FLOOR_S, Peers, Watchdog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakePeers(Peers):
+    """The coordination service's key-value store as a dict shared by the 'processes'."""
+
+    def __init__(self, index: int, count: int, store: dict[str, str]) -> None:
+        super().__init__(index, count)
+        self.store = store
+
+    def hang_reported(self) -> Optional[str]:
+        return self.store.get("hang")
+
+    def report_hang(self, text: str) -> None:
+        self.store.setdefault("hang", text)
+
+    def acknowledge(self) -> None:
+        self.store[f"ack/{self.index}"] = "1"
+
+    def wait_for_all(self, timeout_s: float, clock: Any = None) -> None:
+        self.store["waited"] = str(timeout_s)
+
+
+class FakeLoop:
+    def __init__(self) -> None:
+        self.step_seconds = 0.0
+        self.holder = type("H", (), {"step": 0})()
+
+
+def make(tmp_path: Path, setting: str, index: int = 0, count: int = 1, store: Optional[dict] = None,
+         compile_s: float = 0.0) -> tuple[Watchdog, Clock, list[int], list[str]]:
+    clock, left, said = Clock(), [], []
+    dog = Watchdog(setting, tmp_path, FakePeers(index, count, {} if store is None else store), lambda: compile_s,
+                   storage_bound_s=600.0, clock=clock, leave=left.append, poll_s=0.01, say=said.append,
+                   use_faulthandler=False)
+    return dog, clock, left, said
+
+
+def steps(dog: Watchdog, clock: Clock, n: int, seconds: float, first: int = 1) -> None:
+    loop = FakeLoop()
+    for step in range(first, first + n):
+        dog.before_step(loop, step)  # type: ignore[arg-type]
+        clock.now += seconds
+        loop.step_seconds = seconds
+        dog.on_metrics(loop, step, {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text, seconds", [("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), ("0", 0),
+                                           (" 20 min", 1200), ("auto", None), ("ten", None), ("-5", None),
+                                           ("5d", None), ("", None)])
+def test_durations(text: str, seconds: Optional[float]) -> None:
+    assert duration_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["ten minutes", "-1", "5d", "", "off"])
+def test_a_hang_timeout_that_is_no_duration_is_refused_with_the_fix(bad: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(ExecutionSpec(run=RunSpec(hang_timeout=bad)))
+    assert f"run.hang_timeout={bad!r}" in str(err.value) and "10m" in str(err.value) and "0 to turn" in str(err.value)
+
+
+def test_no_progress_for_the_timeout_writes_the_stacks_and_exits_75(tmp_path) -> None:
+    dog, clock, left, said = make(tmp_path, "30s")
+    dog.start(FakeLoop())  # type: ignore[arg-type]
+    dog.stop()  # the thread is not needed: the test calls check() with its own clock
+    steps(dog, clock, 3, 1.0)
+    clock.now += 29.5
+    assert not dog.check() and left == []  # 29.5 s idle: still within the limit
+    steps(dog, clock, 1, 1.0, first=4)  # progress resets it
+    clock.now += 29.5
+    assert not dog.check()
+    clock.now += 1.0
+    assert dog.check() and left == [75]
+    assert "no progress for 30 s on process 0 (run.hang_timeout=30s: 30 s); the last it saw: step 4 done" in said[0]
+    stacks = (tmp_path / "hangs" / "process-0.txt").read_text()
+    assert "last step done on this process: 4" in stacks
+    assert "test_no_progress_for_the_timeout_writes_the_stacks_and_exits_75" in stacks  # this thread's frame
+    assert str(tmp_path / "hangs" / "process-0.txt") in said[0]
+
+
+def test_the_first_process_to_notice_tells_the_others_which_stop_at_once(tmp_path) -> None:
+    store: dict[str, str] = {}
+    noticer, c0, left0, said0 = make(tmp_path, "30s", index=1, count=2, store=store)
+    other, c1, left1, said1 = make(tmp_path, "30s", index=0, count=2, store=store)
+    for dog in (noticer, other):
+        dog.armed = True
+    steps(noticer, c0, 5, 1.0)
+    steps(other, c1, 5, 1.0)
+    c1.now += 5  # process 0 saw progress 5 s ago only: its own timer is far from firing
+    assert not other.check()
+    c0.now += 31
+    assert noticer.check() and left0 == [75]
+    assert other.check() and left1 == [75]
+    assert "process 1 found no progress for 31 s after step 5 done; process 0 stops too" in said1[0]
+    assert store["ack/0"] == store["ack/1"] == "1"  # each told the others it heard, and waited for them
+    assert (tmp_path / "hangs" / "process-0.txt").exists() and (tmp_path / "hangs" / "process-1.txt").exists()
+
+
+def test_auto_arms_after_the_first_step_at_the_largest_of_its_floors(tmp_path) -> None:
+    dog, clock, left, _ = make(tmp_path, "auto", compile_s=100.0)
+    dog.start(FakeLoop())  # type: ignore[arg-type]
+    dog.stop()
+    assert dog.limit() is None
+    clock.now += 10 * AUTO_FLOOR_S  # the first step (compiling, a baseline evaluation) is not judged
+    assert not dog.check()
+    steps(dog, clock, 1, 1.0)  # one step read: no step time yet (the first is not a step's time)
+    assert dog.limit() is None
+    steps(dog, clock, 10, 2.0, first=2)
+    assert dog.limit() == AUTO_FLOOR_S  # max(600, 3 x 100 s compile, 20 x 2 s)
+    steps(dog, clock, 50, 40.0, first=12)
+    assert dog.limit() == 20 * 40.0  # slow steps: twenty of them
+    with dog.busy("save", 61):
+        assert dog.limit() == 800 + 600  # a save may also take the storage bound
+    with dog.busy("eval", 61):
+        clock.now += 2000  # a long evaluation
+    with dog.busy("eval", 62):
+        assert dog.limit() == 3 * 2000
+    assert left == []
+
+
+def test_auto_with_a_long_compile(tmp_path) -> None:
+    dog, clock, _, _ = make(tmp_path, "auto", compile_s=1000.0)
+    steps(dog, clock, 3, 1.0)
+    assert dog.limit() == 3000.0
+
+
+def test_an_explicit_timeout_judges_saves_and_evaluations_too(tmp_path) -> None:
+    dog, clock, left, said = make(tmp_path, "60")
+    dog.armed = True
+    steps(dog, clock, 2, 1.0)
+    with dog.busy("save", 2):
+        clock.now += 61
+        assert dog.check()
+    assert left == [75] and "the last it saw: the save at step 2 started" in said[0]
+
+
+def test_off_builds_no_watchdog() -> None:
+    spec = ExecutionSpec(run=RunSpec(hang_timeout="0"))
+    assert Watchdog.for_run(spec, Path("."), lambda: 0.0) is None
