@@ -12,7 +12,7 @@
 #   bash tools/venv.sh --system-jax    use the jax the chosen Python already has (an NVIDIA or TPU
 #                                      container's): the venv sees its packages and pins that jax
 #
-# Other extras by name: lm_eval, optuna, slurm, bench (pyproject.toml). Where it looks for Python,
+# Other extras by name: lm_eval, optuna, slurm, ray, sky, bench (pyproject.toml). Where it looks for Python,
 # in order: $RUNNER_PYTHON, python3.12, python3.13, python3, python on PATH, then pyenv's versions
 # (~/.pyenv/versions/3.1x.y). A pyenv shim for a version that is installed but not selected fails
 # its version check and is skipped, so the version itself is found next.
@@ -25,11 +25,11 @@ system_jax=0
 for arg in "$@"; do
     case "$arg" in
         test) extras+=(test tpu) ;;
-        cuda|cuda13|tpu|lm_eval|optuna|slurm|bench) extras+=("$arg") ;;
+        cuda|cuda13|tpu|lm_eval|optuna|slurm|ray|sky|bench) extras+=("$arg") ;;
         --system-jax) system_jax=1 ;;
         *)
             echo "error: tools/venv.sh does not know '$arg'. Fix: name extras from test, cuda, cuda13, tpu," \
-                 "lm_eval, optuna, slurm, bench, and/or --system-jax (e.g. 'bash tools/venv.sh test')." >&2
+                 "lm_eval, optuna, slurm, ray, sky, bench, and/or --system-jax (e.g. 'bash tools/venv.sh test')." >&2
             exit 2 ;;
     esac
 done

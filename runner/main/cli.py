@@ -310,11 +310,41 @@ def task(cfg: Any) -> Any:
     overrides = list(HydraConfig.get().overrides.task)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         try:
-            execute(build_spec(cfg, overrides))
+            spec = build_spec(cfg, overrides)
+            if not on_ray(spec, overrides):
+                execute(spec)
         except UserError as err:
             fail(str(err), err.exit_code)
+        except RayRunEnded as ended:
+            fail(ended.message, ended.code)
         return None
     return run_sweep_member(cfg, overrides)
+
+
+class RayRunEnded(Exception):
+    """A run on Ray that did not finish: the driver's exit code and paragraph."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code, self.message = code, message
+        super().__init__(message)
+
+
+def on_ray(spec: Any, overrides: list[str]) -> bool:
+    """hydra/launcher=ray: train `spec` on the Ray cluster (runner.main.ray_launcher) instead of in
+    this process. False for any other launcher; raises RayRunEnded for a run that did not finish."""
+    from hydra.core.hydra_config import HydraConfig
+
+    launcher = HydraConfig.get().launcher
+    if not str(launcher.get("_target_", "")).endswith("runner_ray_launcher.ray_launcher.RayLauncher"):
+        return False
+    from runner.main.ray_launcher import RaySettings, run_on_ray
+
+    settings = RaySettings.from_hydra(launcher)
+    assert settings is not None
+    code, message = run_on_ray(spec, overrides, settings)
+    if code:
+        raise RayRunEnded(code, message)
+    return True
 
 
 class FailedObjective:
@@ -356,11 +386,16 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
         spec = build_spec(cfg, overrides, sweep_root=str(summary.root))
         run_dir, objective = spec.run.dir, spec.run.objective
         already = _already_finished(spec)
-        execute(spec, in_sweep=True)
+        if not on_ray(spec, overrides):
+            execute(spec, in_sweep=True)
         status = "skipped (already finished)" if already else "finished"
     except (UserError, HookError, TrainingHalted) as err:
         status, message = "failed", " ".join(str(err).split())
         print(f"error: {message}", file=sys.stderr, flush=True)
+    except RayRunEnded as ended:  # a stop to resume does not end a sweep on Ray: the next member goes on
+        status = "stopped (resumable)" if ended.code == PREEMPTED_EXIT_CODE else "failed"
+        message = f"exit code {ended.code}: {' '.join(ended.message.split())}"
+        print(f"error: {ended.message}", file=sys.stderr, flush=True)
     except SystemExit as stop:
         if stop.code == PREEMPTED_EXIT_CODE and _in_sweep_process:  # a stop ends the local sweep; rerun resumes
             summary.record(hydra_cfg.job.num, overrides, run_dir, f"stopped (exit {stop.code})")

@@ -21,6 +21,7 @@ checkpoint is counted through the steps it lost (the rest of a killed launch is 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -53,6 +54,8 @@ class Goodput:
     launches_before: int = 0
     recomputed_steps: int = 0
     local_tier_spared_steps: int = 0  # steps a local-tier restore saved over the durable tier's newest
+    # the attempt of a supervisor that restarts the run (the Ray launcher sets RUNNER_ATTEMPT): 1 is the first
+    attempt: int = field(default_factory=lambda: int(os.environ.get("RUNNER_ATTEMPT") or 1))
     loop_started: Optional[float] = None
     loop_ended: Optional[float] = None
     _marks: list[dict[str, float]] = field(default_factory=list)  # PAUSES' seconds at loop start, end
@@ -115,7 +118,8 @@ class Goodput:
         out = {"goodput/percent": 100.0 * useful / totals["wall"] if totals["wall"] > 0 else 0.0,
                "goodput/launches": float(self.launches_before + 1),
                "goodput/recomputed_steps": float(self.recomputed_steps),
-               "goodput/local_tier_spared_steps": float(self.local_tier_spared_steps)}
+               "goodput/local_tier_spared_steps": float(self.local_tier_spared_steps),
+               "goodput/restarts": float(self.attempt - 1)}
         out.update({f"goodput/{k}_s": v for k, v in totals.items()})
         return out
 

@@ -10,6 +10,8 @@ RUNNER_FAULT=wedge_in_step:N     the same, in a native call that holds the inter
                                  Python thread of this process runs again (a wedged driver)
 
 `@P` after N limits a fault to process P (`stall_in_step:6@1`); without it every process acts.
+RUNNER_FAULT_ATTEMPT=K limits it to the K-th attempt of a supervisor that restarts the run and says
+which attempt it is in RUNNER_ATTEMPT (the Ray launcher), so the restarted run gets past it.
 
 The kill is a real SIGKILL, so nothing gets a chance to clean up, exactly as in a preemption
 without notice. It rides on the loop's components and the callbacks: unset (the normal case),
@@ -31,8 +33,13 @@ _event, _, _where = _spec.partition(":")
 _step, _, _process = _where.partition("@")
 
 
+_attempt = os.environ.get("RUNNER_FAULT_ATTEMPT", "")
+
+
 def armed(event: str, step: int) -> bool:
     if not (_spec and event == _event and str(step) == _step):
+        return False
+    if _attempt and os.environ.get("RUNNER_ATTEMPT", "1") != _attempt:
         return False
     if _process:
         import jax

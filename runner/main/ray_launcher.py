@@ -1,0 +1,436 @@
+"""A run on a Ray cluster through Ray Train's JaxTrainer, restarted when an attempt fails.
+
+Ray does what it is good at: it reserves the hosts (a TPU slice by `topology`, GPUs or CPUs), starts
+one worker per host, notices a dead worker or node, tears the group down and starts it again
+(`FailureConfig(max_failures=hydra.launcher.max_restarts)`; preemptions have Ray's own budget).
+runner's contract does the rest: every worker runs the same `python -m runner ...` command as one JAX
+process (a fresh process each attempt: jax.distributed starts once per process, with a fresh
+coordinator port), and runner's restore resumes from the newest checkpoint. Ray's own checkpoints
+are not used.
+
+What a rerun cannot fix is not retried: exit 2 (a setting), 1 (the numerical guard, a hook), 3
+(does not fit), and a stop the user asked for (the stop file). A process that crashed with a
+traceback, was killed, lost its host, or exited 75 (a preemption's SIGTERM, the watchdog, a bucket
+down) is. The driver prints each attempt, why it ended and the step it resumed from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from runner.errors import UserError
+from runner.exits import DOES_NOT_FIT_EXIT_CODE, HALTED_EXIT_CODE, PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
+
+TARGET = "hydra_plugins.runner_ray_launcher.ray_launcher.RayLauncher"
+NEVER_RETRIED = (USAGE_EXIT_CODE, HALTED_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE)
+STOPPED_ON_REQUEST = "stopped by the stop file"  # runner's own line (runner.train.trainer.conclude)
+RESUMED = re.compile(r"resumed from step (\d+)")
+TAIL_LINES = 60
+# runner's TPU generations as Ray names them (ray.util.accelerators)
+RAY_TPU_TYPES = {"v2": "TPU-V2", "v3": "TPU-V3", "v4": "TPU-V4", "v5p": "TPU-V5P", "v5e": "TPU-V5LITEPOD",
+                 "v6e": "TPU-V6E", "tpu7x": "TPU-V7X"}
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """conf/hydra/launcher/ray.yaml."""
+
+    address: str = "local"
+    hosts: int = 0
+    cpus_per_host: float = 1.0
+    gpus_per_host: int = 0
+    max_restarts: int = 3
+    object_store_mb: int = 256
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_hydra(cls, launcher: Any) -> Optional["RaySettings"]:
+        """The settings when hydra.launcher is runner's Ray launcher, else None."""
+        if launcher is None or launcher.get("_target_") != TARGET:
+            return None
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in launcher.items() if k != "_target_"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(f"hydra.launcher.{unknown[0]}: the Ray launcher has no setting of that name. Fix: use "
+                            f"{', '.join(f'hydra.launcher.{k}' for k in sorted(known))}.")
+        values["env"] = {str(k): str(v) for k, v in dict(values.get("env") or {}).items()}
+        kinds = {"address": (str, "a string: local, auto or HOST:PORT"), "hosts": (int, "a whole number"),
+                 "cpus_per_host": ((int, float), "a number"), "gpus_per_host": (int, "a whole number"),
+                 "max_restarts": (int, "a whole number"), "object_store_mb": (int, "a whole number")}
+        for key, (kind, words) in kinds.items():
+            if key in values and (not isinstance(values[key], kind) or isinstance(values[key], bool)):
+                raise UserError(f"Invalid config `hydra.launcher.{key}={values[key]!r}`: it must be {words}. Fix: "
+                                f"set hydra.launcher.{key} to {words} (conf/hydra/launcher/ray.yaml says what each "
+                                "setting means).")
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        rules = (("hosts", self.hosts >= 0, "0 (the topology's hosts) or more"),
+                 ("cpus_per_host", self.cpus_per_host >= 0, ">= 0"),
+                 ("gpus_per_host", self.gpus_per_host >= 0, ">= 0"),
+                 ("max_restarts", self.max_restarts >= -1, "-1 (no limit) or more"),
+                 ("object_store_mb", self.object_store_mb >= 80, "at least 80 (Ray's minimum)"))
+        for key, ok, bound in rules:
+            if not ok:
+                raise UserError(f"Invalid config `hydra.launcher.{key}={getattr(self, key)!r}`: it must be {bound}. "
+                                f"Fix: set hydra.launcher.{key} to {bound}.")
+
+
+class RunnerExit(Exception):
+    """One worker's runner process ended with a non-zero code (raised in the worker; Ray hands it
+    to the failure policy and the driver)."""
+
+    def __init__(self, rank: int, code: int, tail: str, stopped_on_request: bool = False) -> None:
+        self.rank, self.code, self.tail, self.stopped_on_request = rank, code, tail, stopped_on_request
+        super().__init__(f"process {rank} exited {describe_code(code)}")
+
+    def __reduce__(self) -> Any:
+        return RunnerExit, (self.rank, self.code, self.tail, self.stopped_on_request)
+
+    @property
+    def retryable(self) -> bool:
+        if self.stopped_on_request or self.code in (USAGE_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE):
+            return False
+        if self.code == HALTED_EXIT_CODE:  # a guard or a hook said so; an uncaught crash is retried
+            return "Traceback (most recent call last)" in self.tail
+        return True
+
+    @property
+    def paragraph(self) -> str:
+        """runner's own `error: ...` paragraph, if the process printed one."""
+        lines = [line for line in self.tail.splitlines() if line.startswith("error: ")]
+        return lines[-1][len("error: "):] if lines else ""
+
+
+def describe_code(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"with code {code}"
+
+
+def describe_failure(error: BaseException) -> str:
+    if isinstance(error, RunnerExit):
+        why = error.paragraph or ("" if error.code < 0 else (error.tail.strip().splitlines() or [""])[-1])
+        return f"{error}{': ' + why[:300] if why else ''}"
+    cause = getattr(error, "health_check_failure", None) or error
+    return f"its Ray worker died ({type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''})"
+
+
+# ---------------------------------------------------------------------------------- the driver
+
+
+def check_cluster(settings: RaySettings) -> None:
+    """A HOST:PORT with no Ray head behind it is one paragraph at once (ray.init would retry for
+    many minutes)."""
+    if settings.address in ("local", "auto"):
+        return
+    host, _, port = settings.address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"Invalid config `hydra.launcher.address={settings.address!r}`: it is not HOST:PORT. Fix: "
+                        "give the Ray head's address (`ray start --head` prints it), auto, or local.")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise UserError(f"hydra.launcher.address={settings.address!r}: no Ray cluster answers there "
+                        f"({err.strerror or err}). Fix: start one (`ray start --head --port={port}` on the head "
+                        "node), correct the address, or use hydra.launcher.address=local for a cluster on this "
+                        "machine.") from None
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+        from ray.train.v2.jax import JaxTrainer  # noqa: F401
+    except ImportError:
+        raise UserError("hydra/launcher=ray needs Ray Train, which is not installed. Fix: `bash tools/venv.sh ray` "
+                        "(or pip install -e '.[ray]').") from None
+    return ray
+
+
+def scaling(spec: Any, settings: RaySettings) -> tuple[dict[str, Any], int]:
+    """ScalingConfig's arguments and the number of hosts, from the topology and the settings."""
+    from runner.parallel.topology import parse_topology
+
+    topology = parse_topology(spec.topology)
+    if topology.platform == "tpu":
+        if topology.num_slices > 1:
+            raise UserError(f"topology={spec.topology} under hydra/launcher=ray: Ray Train's JaxTrainer reserves one "
+                            "TPU slice. Fix: train on one slice under Ray, or launch several slices with "
+                            "tools/launch_tpu.py or SkyPilot (README: Launching).")
+        hosts = settings.hosts or topology.num_hosts
+        if hosts != topology.num_hosts:
+            raise UserError(f"Invalid config `hydra.launcher.hosts={settings.hosts}`: topology={spec.topology} has "
+                            f"{topology.num_hosts} hosts, and every host of a slice runs one process. Fix: set "
+                            f"hydra.launcher.hosts=0 (or {topology.num_hosts}).")
+        assert topology.chip is not None and topology.physical_shape is not None
+        kwargs: dict[str, Any] = {
+            "use_tpu": True, "topology": "x".join(str(n) for n in topology.physical_shape),
+            "accelerator_type": RAY_TPU_TYPES[topology.chip.name],
+            "resources_per_worker": {"TPU": topology.num_chips // topology.num_hosts}}
+        return {"num_workers": hosts, **kwargs}, hosts
+    hosts = settings.hosts or 1
+    resources: dict[str, float] = {"CPU": settings.cpus_per_host}
+    if settings.gpus_per_host:
+        resources["GPU"] = settings.gpus_per_host
+    return {"num_workers": hosts, "use_gpu": bool(settings.gpus_per_host), "resources_per_worker": resources}, hosts
+
+
+def worker_overrides(spec: Any, overrides: Sequence[str]) -> list[str]:
+    """The command every worker runs: the run's own overrides with its run directory pinned (a
+    sweep member's lies under its sweep), never the launcher's."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")
+            and o.split("=", 1)[0] not in ("run.dir", "run.sweep")]
+    pinned = [f"run.dir={spec.run.dir}"]
+    if spec.run.sweep:
+        pinned.append(f"run.sweep={spec.run.sweep}")
+    return [*kept, *pinned]
+
+
+def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
+               say: Any = lambda text: print(text, flush=True)) -> tuple[int, str]:
+    """Train `spec` on the Ray cluster; (exit code, the paragraph for a failure, or "")."""
+    if spec.mode != "train":
+        raise UserError(f"mode={spec.mode} under hydra/launcher=ray: Ray runs training only (mode=compile needs no "
+                        "cluster; mode=eval runs on one host). Fix: drop hydra/launcher=ray for this command.")
+    check_cluster(settings)
+    quiet_ray()  # before Ray is imported: some settings are read then
+    ray = import_ray()
+    scaling_kwargs, hosts = scaling(spec, settings)
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback, WorkerGroupError
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2.jax import JaxConfig, JaxTrainer
+
+    if settings.address == "local":
+        ray.init(num_cpus=max(2, int(hosts * settings.cpus_per_host + 0.999)),
+                 num_gpus=hosts * settings.gpus_per_host or None,
+                 object_store_memory=settings.object_store_mb * 2**20, include_dashboard=False,
+                 ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+    else:
+        ray.init(address=settings.address, ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+
+    book = ray.remote(AttemptBook).options(num_cpus=0).remote()
+
+    class Policy(DefaultFailurePolicy):
+        """Ray retries every worker failure; a runner exit a rerun cannot fix ends the job."""
+
+        def make_decision(self, training_failed_error: Any) -> Any:
+            if isinstance(training_failed_error, WorkerGroupError):
+                failures = list(training_failed_error.worker_failures.values())
+                if any(isinstance(e, RunnerExit) and not e.retryable for e in failures):
+                    return FailureDecision.RAISE
+            return super().make_decision(training_failed_error)
+
+    class Trainer(JaxTrainer):
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            kwargs["failure_policy"] = Policy(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**kwargs)
+
+        def _create_default_callbacks(self) -> list[Any]:
+            """The placement-group cleaner asks the state API, which a cluster without its dashboard
+            (runner's local one) lacks: a warning every second. A local cluster ends with this
+            process, its placement groups with it."""
+            callbacks = super()._create_default_callbacks()
+            if settings.address != "local":
+                return callbacks
+            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    class Reporter(UserCallback):
+        """Runs in Ray's controller: each failed attempt's reasons, for the driver to print."""
+
+        def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+            book.ended.remote({int(r): describe_failure(e) for r, e in sorted(worker_exceptions.items())})
+
+    limit = "no limit" if settings.max_restarts < 0 else f"at most {settings.max_restarts}"
+    say(f"ray: training {spec.run.dir} on {hosts} host{'s' if hosts != 1 else ''} "
+        f"({settings.address} cluster; restarts: {limit})")
+    config = {"overrides": worker_overrides(spec, overrides), "cwd": os.getcwd(), "env": dict(settings.env),
+              "python": sys.executable, "book": book}
+    trainer = Trainer(
+        run_worker, train_loop_config=config,
+        jax_config=JaxConfig(use_tpu=False, use_gpu=False),  # runner's own processes start jax.distributed
+        scaling_config=ScalingConfig(**scaling_kwargs),
+        run_config=RunConfig(name=f"runner-{os.getpid()}-{int(time.time())}",
+                             storage_path=os.path.join(tempfile.gettempdir(), "runner-ray"),
+                             failure_config=FailureConfig(max_failures=settings.max_restarts),
+                             callbacks=[Reporter()]))
+    printer = EventPrinter(ray, book, say, settings.max_restarts)
+    printer.start()
+    try:
+        trainer.fit()
+        code, message = 0, ""
+    except WorkerGroupError as err:
+        code, message = final_outcome(err.worker_failures)
+    except Exception as err:  # the controller failed (a group that could not start): Ray's own reason
+        code, message = PREEMPTED_EXIT_CODE, f"Ray could not run the job ({type(err).__name__}: {str(err)[:500]})"
+    finally:
+        printer.stop()
+    attempts = ray.get(book.count.remote())
+    restarts = max(0, attempts - 1)
+    say(f"ray: {'finished' if code == 0 else 'ended'} after {attempts} attempt{'s' if attempts != 1 else ''} "
+        f"({restarts} restart{'s' if restarts != 1 else ''}){'' if code == 0 else f', exit {code}'}")
+    if settings.address == "local":
+        ray.shutdown()
+    return code, message
+
+
+def quiet_ray() -> None:
+    """Each worker line once (Train v2 also logs what a worker prints), without colour codes off
+    a terminal, and Train's metrics off (they need the dashboard's agent)."""
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def final_outcome(failures: Mapping[int, BaseException]) -> tuple[int, str]:
+    """The exit code and paragraph of the last attempt: a code a rerun cannot fix first, then the
+    first runner exit, else 75 (a worker died: rerun the same command to resume)."""
+    exits = [e for _, e in sorted(failures.items()) if isinstance(e, RunnerExit)]
+    chosen = next((e for e in exits if not e.retryable), exits[0] if exits else None)
+    reasons = "; ".join(describe_failure(e) for _, e in sorted(failures.items()))
+    if chosen is None:
+        return PREEMPTED_EXIT_CODE, f"the last attempt ended: {reasons}. Rerun the same command to resume."
+    if chosen.paragraph and not chosen.retryable:
+        return chosen.code, chosen.paragraph
+    code = chosen.code if chosen.code > 0 else PREEMPTED_EXIT_CODE
+    return code, f"the last attempt ended: {reasons}. Rerun the same command to resume from the newest checkpoint."
+
+
+class EventPrinter:
+    """Prints what the attempt book records, as it happens, from a thread of the driver."""
+
+    def __init__(self, ray: Any, book: Any, say: Any, max_restarts: int) -> None:
+        self.ray, self.book, self.say, self.max_restarts = ray, book, say, max_restarts
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="runner-ray-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._print()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self._print()
+
+    def _print(self) -> None:
+        try:
+            events = self.ray.get(self.book.since.remote(self.seen), timeout=10)
+        except Exception:
+            return
+        self.seen += len(events)
+        for text in events:
+            self.say(f"ray: {text}")
+
+
+class AttemptBook:
+    """A small actor (ray.remote(AttemptBook)) the driver, the workers and the controller's callback
+    share: attempts and their events, in order."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.events: list[str] = []
+
+    def started(self, hosts: int) -> int:
+        self.attempts += 1
+        self.events.append(f"attempt {self.attempts} started on {hosts} host{'s' if hosts != 1 else ''}")
+        return self.attempts
+
+    def resumed(self, attempt: int, step: int) -> None:
+        self.events.append(f"attempt {attempt}: resumed from step {step}")
+
+    def ended(self, failures: dict[int, str]) -> None:
+        reasons = "; ".join(failures.values())
+        self.events.append(f"attempt {self.attempts} ended: {reasons}")
+
+    def count(self) -> int:
+        return self.attempts
+
+    def since(self, index: int) -> list[str]:
+        return self.events[index:]
+
+
+# ---------------------------------------------------------------------------------- a worker
+
+
+def _die_with_parent() -> None:
+    """The runner process dies with its Ray worker (Ray kills a failed group's workers with
+    SIGKILL; an orphan would hold the devices and the coordinator port)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _no_traceback_for_runner_exits() -> None:
+    """Ray logs every exception of a training function with its traceback; a RunnerExit's is this
+    module's own `raise`, and the process's own output (its paragraph) is already above it."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not ("Error in training function" in str(record.msg) and "RunnerExit" in str(record.msg))
+
+    logging.getLogger("ray.train.v2._internal.util").addFilter(keep)
+
+
+def run_worker(config: dict[str, Any]) -> None:
+    """One host of one attempt: `python -m runner ...` as JAX process `rank` of `world`."""
+    import ray
+    from ray.train.collective import broadcast_from_rank_zero
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    book = config["book"]
+    shared = None
+    if rank == 0:
+        attempt = ray.get(book.started.remote(world))
+        shared = (attempt, f"{ray.util.get_node_ip_address()}:{_free_port()}")
+    attempt, coordinator = broadcast_from_rank_zero(shared)
+    env = {**os.environ, **config["env"], "RUNNER_ATTEMPT": str(attempt), "PYTHONUNBUFFERED": "1"}
+    if world > 1:  # a fresh coordinator (port) every attempt
+        env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
+    proc = subprocess.Popen([config["python"], "-m", "runner", *config["overrides"]], cwd=config["cwd"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            preexec_fn=_die_with_parent)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    reported = False
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        tail.append(line)
+        match = RESUMED.search(line) if rank == 0 and not reported else None
+        if match:
+            book.resumed.remote(attempt, int(match.group(1)))
+            reported = True
+    code = proc.wait()
+    if code != 0:
+        _no_traceback_for_runner_exits()
+        text = "".join(tail)
+        raise RunnerExit(rank, code, text, stopped_on_request=code == PREEMPTED_EXIT_CODE and STOPPED_ON_REQUEST in text)

@@ -1,0 +1,143 @@
+"""hydra/launcher=ray: runs on a local Ray cluster (started by the command, two hosts of two CPU
+devices each), restarted by Ray Train when an attempt fails, resumed by runner's restore."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.main.ray_launcher import RunnerExit, final_outcome
+from tests.conftest import TINY, read_metrics, runner_env
+from tests.train.test_multiprocess import BASE, STEPS, finish, launch
+from tests.train.test_multiprocess import assert_identical_runs as assert_bitwise
+
+RAY = ["hydra/launcher=ray", "hydra.launcher.hosts=2", "hydra.launcher.object_store_mb=100"]
+ARGS = [*BASE, "eval.every=0", "logging.progress=plain"]
+
+
+def on_ray(args: list[str], tmp_path: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", *RAY, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout, env=runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", **env))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The same run, two processes launched by hand, never interrupted."""
+    tmp = tmp_path_factory.mktemp("reference")
+    for code, _, stderr in finish(launch([*ARGS, "run.dir=run"], tmp)):
+        assert code == 0, stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("fault, resumed", [("kill_at_step:6@1", "4"), ("kill_after_save:8@0", "(4|8)")])
+def test_a_killed_worker_process_is_restarted_by_ray_and_the_run_ends_bitwise(tmp_path, reference, fault,
+                                                                            resumed) -> None:
+    """SIGKILL of one host's process mid-run, or of process 0 while the save of step 8 is written:
+    Ray restarts the group (fresh processes, a fresh coordinator), runner resumes."""
+    result = on_ray([*ARGS, "run.dir=run"], tmp_path, RUNNER_FAULT=fault, RUNNER_FAULT_ATTEMPT="1")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "ray: attempt 1 started on 2 hosts" in out
+    assert "ray: attempt 1 ended: process" in out and "killed by SIGKILL" in out
+    assert "ray: attempt 2 started on 2 hosts" in out
+    assert re.search(rf"ray: attempt 2: resumed from step {resumed}\b", out), out[-4000:]
+    assert "ray: finished after 2 attempts (1 restart)" in out
+    assert_bitwise(tmp_path / "run", reference)
+    last = [r for r in read_metrics(tmp_path / "run") if "goodput/restarts" in r][-1]
+    assert last["goodput/restarts"] == 1.0 and last["goodput/launches"] >= 2
+    if fault.startswith("kill_at_step"):  # step 5 was logged after the checkpoint of 4, and trained again
+        assert last["goodput/recomputed_steps"] == 1.0
+
+
+@pytest.mark.e2e
+def test_what_a_rerun_cannot_fix_is_not_retried_and_restarts_are_bounded(tmp_path) -> None:
+    # a worker that exits 2 (the warm start it is told to read does not exist): one attempt, runner's paragraph
+    bad = on_ray([*ARGS, "run.dir=bad", "run.init_from=missing-run", "hydra.launcher.max_restarts=5"], tmp_path)
+    assert bad.returncode == 2, (bad.stdout + bad.stderr)[-3000:]
+    assert "ray: ended after 1 attempt (0 restarts), exit 2" in bad.stdout
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and "run.init_from" in bad.stderr.splitlines()[-1]
+    assert "Traceback" not in bad.stderr
+
+    # a fault on every attempt: max_restarts=1 allows two, then the last attempt's reason and code
+    worn = on_ray([*ARGS, "run.dir=worn", "hydra.launcher.max_restarts=1"], tmp_path, RUNNER_FAULT="kill_at_step:2@1")
+    out = worn.stdout + worn.stderr
+    assert worn.returncode == 75, out[-3000:]
+    assert "ray: attempt 2 started" in out and "ray: attempt 3" not in out
+    assert "ray: ended after 2 attempts (1 restart), exit 75" in worn.stdout
+    last = worn.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the last attempt ended: process 1 exited killed by SIGKILL"), last
+
+
+@pytest.mark.e2e
+def test_no_ray_cluster_at_the_address_is_one_paragraph(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = on_ray([*TINY, "run.dir=r", f"hydra.launcher.address=127.0.0.1:{port}"], tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("error: ") == 1 and "no Ray cluster answers there" in result.stderr
+    assert f"ray start --head --port={port}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("hydra.launcher.max_restarts=-2", "-1 (no limit) or more"),
+    ("hydra.launcher.hosts=-1", "0 (the topology's hosts) or more"),
+    ("hydra.launcher.address=nowhere", "it is not HOST:PORT"),
+    ("hydra.launcher.hosts=two", "it must be a whole number"),
+    ("hydra.launcher.cpus_per_host=true", "it must be a number"),
+])
+def test_launcher_settings_we_cannot_honour_are_refused(bad: str, words: str) -> None:
+    from omegaconf import OmegaConf
+
+    from runner.errors import UserError
+    from runner.main.ray_launcher import TARGET, RaySettings, check_cluster
+
+    key, value = bad.split("=")
+    launcher = OmegaConf.create({"_target_": TARGET, key.split(".")[-1]: OmegaConf.create(f"v: {value}").v})
+    with pytest.raises(UserError) as err:
+        check_cluster(RaySettings.from_hydra(launcher))  # type: ignore[arg-type]
+    assert words in str(err.value)
+    unknown = OmegaConf.create({"_target_": TARGET, "max_retries": 3})
+    with pytest.raises(UserError, match="hydra.launcher.max_retries: the Ray launcher has no setting"):
+        RaySettings.from_hydra(unknown)
+
+
+def test_tpu_slices_are_reserved_by_their_topology() -> None:
+    from ray.train import ScalingConfig
+
+    from runner.errors import UserError
+    from runner.main.ray_launcher import RaySettings, scaling
+    from runner.spec import ExecutionSpec
+
+    kwargs, hosts = scaling(ExecutionSpec(topology="v5p-128"), RaySettings())
+    assert hosts == 16 and kwargs == {"num_workers": 16, "use_tpu": True, "topology": "4x4x4",
+                                      "accelerator_type": "TPU-V5P", "resources_per_worker": {"TPU": 4}}
+    ScalingConfig(**kwargs)  # Ray's own checks of a TPU reservation
+    kwargs, hosts = scaling(ExecutionSpec(topology="cpu-4"), RaySettings(hosts=2, cpus_per_host=2))
+    assert hosts == 2 and kwargs == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 2}}
+    with pytest.raises(UserError, match="reserves one TPU slice"):
+        scaling(ExecutionSpec(topology="2xv5p-128"), RaySettings())
+    with pytest.raises(UserError, match="has 16 hosts"):
+        scaling(ExecutionSpec(topology="v5p-128"), RaySettings(hosts=2))
+
+
+def test_which_exits_are_retried() -> None:
+    traceback = "Traceback (most recent call last):\n  File ...\nRuntimeError: boom\n"
+    assert RunnerExit(0, 75, "").retryable and RunnerExit(1, -9, "").retryable and RunnerExit(1, -6, "").retryable
+    assert RunnerExit(0, 1, traceback).retryable  # an uncaught crash
+    assert not RunnerExit(0, 1, "error: Training stopped at step 5: ...").retryable  # the guard
+    assert not RunnerExit(0, 2, "error: bad").retryable and not RunnerExit(0, 3, "").retryable
+    assert not RunnerExit(0, 75, "", stopped_on_request=True).retryable  # the stop file: the user asked
+    code, message = final_outcome({0: RunnerExit(0, 2, "error: Invalid config `x`: y. Fix: z"),
+                                   1: RunnerExit(1, -6, "aborted")})
+    assert (code, message) == (2, "Invalid config `x`: y. Fix: z")
+    code, message = final_outcome({1: RuntimeError("actor died")})
+    assert code == 75 and "its Ray worker died" in message
