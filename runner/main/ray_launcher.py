@@ -197,10 +197,16 @@ def worker_overrides(spec: Any, overrides: Sequence[str]) -> list[str]:
     sweep member's lies under its sweep), never the launcher's."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")
             and o.split("=", 1)[0] not in ("run.dir", "run.sweep")]
-    pinned = [f"run.dir={spec.run.dir}"]
+    pinned = [f"run.dir={_quoted(spec.run.dir)}"]
     if spec.run.sweep:
-        pinned.append(f"run.sweep={spec.run.sweep}")
+        pinned.append(f"run.sweep={_quoted(spec.run.sweep)}")
     return [*kept, *pinned]
+
+
+def _quoted(value: str) -> str:
+    """A value for Hydra's override grammar, whatever it holds (a sweep member's directory is named
+    by its overrides: `=` and `,`)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,

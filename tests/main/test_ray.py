@@ -141,3 +141,17 @@ def test_which_exits_are_retried() -> None:
     assert (code, message) == (2, "Invalid config `x`: y. Fix: z")
     code, message = final_outcome({1: RuntimeError("actor died")})
     assert code == 75 and "its Ray worker died" in message
+
+
+@pytest.mark.e2e
+def test_every_sweep_member_is_a_ray_job_and_the_summary_is_todays(tmp_path) -> None:
+    sweep = subprocess.run([sys.executable, "-m", "runner", "-m", "hydra/launcher=ray", "hydra.launcher.object_store_mb=100",
+                            *TINY, "train.steps=3", "eval.every=0", "optimizer.lr=1e-2,2e-2", "run.root=runs"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env=runner_env(tmp_path, 1, RAY_AUTH_MODE="disabled"))
+    assert sweep.returncode == 0, (sweep.stdout + sweep.stderr)[-3000:]
+    assert sweep.stdout.count("ray: finished after 1 attempt (0 restarts)") == 2
+    assert ": 2 members, 0 failed" in sweep.stdout
+    members = sorted(p.parent for p in (tmp_path / "runs" / "sweeps").rglob("metrics.jsonl"))
+    assert len(set(members)) == 2  # each member its own directory under the sweep
+    assert all(max(r["step"] for r in read_metrics(p)) == 3 for p in members)
