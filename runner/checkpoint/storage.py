@@ -232,6 +232,35 @@ def check_reachable(location: str, key: str, write: bool) -> None:
                         f"network and the endpoint ({EMULATOR} for an emulator), then rerun.") from None
 
 
+def check_local_writable(location: str, key: str) -> None:
+    """A local directory the run will write into must be one it can ever write: refused at start,
+    with one paragraph, when it is a file, lies under a file, or sits on a read-only or
+    permission-denied parent. Nothing is created: a probe file is made and removed in the directory,
+    or in its nearest existing parent. (A disk that fills later is the writer's to report.)"""
+    if not location or is_remote(location):
+        return
+    target = os.path.abspath(os.path.expanduser(location))
+    existing = target
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == target else f"lies under {existing}, which is a file"
+        raise UserError(f"{key}={location!r}: runner writes a directory there, but the path {what}. Fix: choose a "
+                        f"directory path for {key} (or move the file away).")
+    probe = os.path.join(existing, f".runner-write-check-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserError(f"{key}={location!r}: runner cannot write in {existing} ({reason}). Fix: choose a location "
+                        f"this account can write for {key}, or make {existing} writable.") from None
+
+
 def _check_credentials(key: str, location: str) -> None:
     try:
         import google.auth

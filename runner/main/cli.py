@@ -247,6 +247,11 @@ def execute(spec: Any, in_sweep: bool = False) -> None:
     for key, location in (("run.dir", spec.run.dir), ("run.init_from", spec.run.init_from),
                           ("eval.checkpoint", spec.eval.checkpoint), ("run.compile_cache", spec.run.compile_cache)):
         storage.check_reachable(location, key, write=writes[key])
+    # every local place the run writes (the watchdog's stacks go under run.dir): before any device work
+    for key, location in (("run.dir", spec.run.dir if writes["run.dir"] else ""),
+                          ("checkpoint.local.dir", spec.checkpoint.local.dir if spec.mode == "train" else ""),
+                          ("run.compile_cache", compile_cache.directory(spec.run.compile_cache) or "")):
+        storage.check_local_writable(location, key)
     compile_cache.enable(spec.run.compile_cache)
     topology = parse_topology(spec.topology)
     tpu_hosts = topology.num_hosts if topology.platform == "tpu" and _tpu_present() else 0
