@@ -9,7 +9,11 @@ collective on the others. This builds that one command and sends it to all worke
         --run-dir gs://my-bucket/runs/gpt_small --env WANDB_API_KEY -- job=gpt_small topology=v4-32
     python tools/launch_tpu.py stop my-v4-32 --zone us-central2-b     # SIGTERM: save, exit 75
 
-`--dry-run` prints the gcloud commands (secret values masked) and runs nothing.
+`--restart N` relaunches the container on each worker, up to N times, when it exits 75 (runner stopped
+resumably: a SIGTERM, the watchdog, a bucket down) or 134 (aborted because another host died): every
+host's container ends when one fails, so all of them start again together and meet at the
+coordinator; runner resumes from the newest checkpoint. `--dry-run` prints the gcloud commands
+(secret values masked) and runs nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 USAGE_EXIT_CODE = 2
+RESTARTED_ON = (75, 134)  # runner's resumable stop; SIGABRT (128 + 6) when the coordinator saw a host die
 # Environment variables whose values are never shown: their names contain one of these.
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -129,13 +134,23 @@ def run_remote(args: argparse.Namespace, env: Sequence[EnvValue], shown: bool) -
         run += ["--volume", q(f"{mount}:{mount}")]
     for var in env:
         run += ["--env", q(f"{var.name}={var.shown() if shown else var.value}")]
+    if args.restart:
+        run += ["--env", '"RUNNER_ATTEMPT=$attempt"']  # goodput/restarts
     overrides = list(args.overrides)
     if not any(o.split("=", 1)[0] == "run.compile_cache" for o in overrides):
         # each container starts empty: keep compiled programs where the next launch finds them
         overrides.append(f"run.compile_cache={args.run_dir.rstrip('/')}/compile_cache")
     run += [q(args.image), *(q(o) for o in overrides), q(f"run.dir={args.run_dir}")]
-    steps.append(" ".join(run))
-    return " && ".join(steps)
+    if not args.restart:
+        steps.append(" ".join(run))
+        return " && ".join(steps)
+    # The same container again while it exits 75 or 134, at most --restart times; any other code is final.
+    retried = " || ".join(f"[ $code = {c} ]" for c in RESTARTED_ON)
+    loop = (f"attempt=1; while :; do {{ {docker(args)} rm {q(args.container)} >/dev/null 2>&1 || true; }}; "
+            f"{' '.join(run)}; code=$?; if [ $attempt -le {args.restart} ] && {{ {retried}; }}; then "
+            f"echo \"launch_tpu: the container exited $code; relaunch $attempt of {args.restart}\" >&2; "
+            "attempt=$((attempt + 1)); else exit $code; fi; done")
+    return " && ".join([*steps[:-1], loop])
 
 
 def stop_remote(args: argparse.Namespace) -> str:
@@ -178,6 +193,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                      help="a registry host (e.g. us-docker.pkg.dev) to configure docker credentials for first")
     run.add_argument("--no-pull", action="store_true", help="use the image already on the workers")
     run.add_argument("--detach", action="store_true", help="return once started; `docker logs` shows the run")
+    run.add_argument("--restart", type=int, default=0, metavar="N",
+                     help="relaunch the container up to N times when it exits 75 or 134 (resumable)")
     run.add_argument("overrides", nargs="*", help="runner overrides, after --: job=gpt_small topology=v4-32")
 
     stop = sub.add_parser("stop", help="stop the container on every worker (SIGTERM: the run saves)")
@@ -205,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             fail(f"{next(o for o in args.overrides if o.startswith('-'))!r} is not a runner override. "
                  "Fix: put this tool's options before `--` and only key=value overrides after it.")
         check_run_dir(args.run_dir, args.shared_mount, args.allow_local_run_dir)
+        if args.restart < 0:
+            fail(f"--restart {args.restart} is negative. Fix: give how many relaunches to allow (0: none).")
+        if args.restart and args.detach:
+            fail("--restart with --detach: a detached container is not watched, so nothing could relaunch it. "
+                 "Fix: drop --detach (the command then runs until the run ends), or drop --restart.")
         env = collect_env(args.env, dict(os.environ))
         command, shown = gcloud_ssh(args, run_remote(args, env, False)), gcloud_ssh(args, run_remote(args, env, True))
     else:

@@ -9,6 +9,7 @@
 #                                      libtpu (the tests compile for TPU topologies: mode=compile)
 #   bash tools/venv.sh cuda            + the GPU plugin of the pinned jax (CUDA 12 wheels; cuda13 for 13)
 #   bash tools/venv.sh tpu             + libtpu: train on a TPU VM, or mode=compile for TPU topologies
+#   bash tools/venv.sh sky             the SkyPilot client in .venv-sky (its pins clash with runner's); test adds it
 #   bash tools/venv.sh --system-jax    use the jax the chosen Python already has (an NVIDIA or TPU
 #                                      container's): the venv sees its packages and pins that jax
 #
@@ -19,13 +20,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+SKYPILOT_VERSION=0.14.1  # `sky`: the SkyPilot client, in .venv-sky
 
 extras=()
 system_jax=0
+sky=0
 for arg in "$@"; do
     case "$arg" in
-        test) extras+=(test tpu) ;;
-        cuda|cuda13|tpu|lm_eval|optuna|slurm|ray|sky|bench) extras+=("$arg") ;;
+        test) extras+=(test tpu); sky=1 ;;
+        sky) sky=1 ;;
+        cuda|cuda13|tpu|lm_eval|optuna|slurm|ray|bench) extras+=("$arg") ;;
         --system-jax) system_jax=1 ;;
         *)
             echo "error: tools/venv.sh does not know '$arg'. Fix: name extras from test, cuda, cuda13, tpu," \
@@ -126,6 +130,15 @@ EOF
     mapfile -t wanted <<< "$requirements"
     .venv/bin/pip install -q -c "$constraints" "${wanted[@]}"
     .venv/bin/pip install -q --no-deps -e .
-else
+elif [ "${#extras[@]}" -gt 0 ] || [ "$sky" = 0 ]; then
     .venv/bin/pip install -q -e "$spec"
+fi
+
+if [ "$sky" = 1 ]; then
+    # SkyPilot's client (tools/sky_task.py checks a task with it; `sky jobs launch` submits it) pins a
+    # click older than wandb's, so it lives in a venv of its own: .venv-sky.
+    if [ ! -x .venv-sky/bin/python ]; then
+        "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv .venv-sky
+    fi
+    .venv-sky/bin/pip install -q "skypilot==$SKYPILOT_VERSION"
 fi

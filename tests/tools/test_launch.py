@@ -132,3 +132,48 @@ def test_user_errors_are_one_paragraph_exit_2() -> None:
     # Without --dry-run and without gcloud installed: a clear message rather than a traceback.
     no_gcloud = launch("stop", "pod-a", "--zone", "z", PATH="/nonexistent")
     assert no_gcloud.returncode == 2 and "gcloud is not on PATH" in no_gcloud.stderr
+
+
+FAKE_DOCKER = """#!/bin/sh
+# docker as the worker would run it: `run` exits with the next code of $CODES, one per call
+[ "$1" = run ] || exit 0
+n=$(cat "$STATE" 2>/dev/null || echo 0); n=$((n + 1)); echo $n > "$STATE"
+for arg in "$@"; do case "$arg" in RUNNER_ATTEMPT=*) echo "$arg" >> "$STATE.attempts";; esac; done
+set -- $CODES; shift $((n - 1)); exit ${1:-0}
+"""
+
+
+@pytest.mark.parametrize("codes, restart, runs, final", [
+    ("75 134 0", 2, 3, 0),  # a resumable stop, then a host lost: relaunched each time, then finished
+    ("75 75 75 75", 2, 3, 75),  # the bound: two relaunches, then the last code
+    ("2 0", 5, 1, 2),  # a usage error: never relaunched
+    ("1 0", 5, 1, 1),  # the guard or a hook: never relaunched
+    ("75 0", 0, 1, 75),  # without --restart: once
+])
+def test_restart_relaunches_the_container_after_75_or_134_within_the_bound(tmp_path, codes, restart, runs,
+                                                                           final) -> None:
+    """The worker's shell line itself, run here with a stand-in docker that exits as told."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    extra = ["--restart", str(restart)] if restart else []
+    out = launch("run", "pod-a", "--zone", "z", "--image", IMAGE, "--run-dir", "gs://b/r", "--no-pull", "--no-sudo",
+                 "--dry-run", *extra, "--", "job=gpt_small")
+    assert out.returncode == 0, out.stderr
+    state = tmp_path / "state"
+    worker = subprocess.run(["sh", "-c", remote_of(out.stdout)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STATE": str(state),
+                                 "CODES": codes})
+    assert worker.returncode == final, worker.stderr
+    assert int(state.read_text()) == runs
+    assert worker.stderr.count("launch_tpu: the container exited") == runs - 1
+    if restart:  # every attempt tells runner which it is (goodput/restarts)
+        assert (tmp_path / "state.attempts").read_text().split() == [f"RUNNER_ATTEMPT={i}" for i in range(1, runs + 1)]
+
+
+def test_restart_refusals() -> None:
+    for extra, message in {("--restart", "-1"): "--restart -1 is negative",
+                           ("--restart", "2", "--detach"): "a detached container is not watched"}.items():
+        out = launch("run", "pod-a", "--zone", "z", "--image", IMAGE, "--run-dir", "gs://b/r", "--dry-run", *extra)
+        assert out.returncode == 2 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
