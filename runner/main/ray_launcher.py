@@ -53,6 +53,10 @@ class RaySettings:
     max_restarts: int = 3
     object_store_mb: int = 256
     env: Mapping[str, str] = field(default_factory=dict)
+    elastic: bool = False  # go on with fewer hosts (at least min_hosts) when some cannot be had; grow back later
+    min_hosts: int = 1
+    resize_check_s: float = 60.0  # elastic: how often Ray looks for hosts to grow back to
+    stop_grace_s: float = 120.0  # a healthy group that Ray stops (a resize): time for runner's save and exit 75
 
     @classmethod
     def from_hydra(cls, launcher: Any) -> Optional["RaySettings"]:
@@ -65,12 +69,19 @@ class RaySettings:
         if unknown:
             raise UserError(f"hydra.launcher.{unknown[0]}: the Ray launcher has no setting of that name. Fix: use "
                             f"{', '.join(f'hydra.launcher.{k}' for k in sorted(known))}.")
-        values["env"] = {str(k): str(v) for k, v in dict(values.get("env") or {}).items()}
+        env = values.get("env")
+        if env is not None and not hasattr(env, "items"):
+            raise UserError(f"Invalid config `hydra.launcher.env={env!r}`: it must be a mapping of variable names to "
+                            'values. Fix: hydra.launcher.env={NAME: "value", ...} (or +hydra.launcher.env.NAME=value).')
+        values["env"] = {str(k): str(v) for k, v in (env or {}).items()}
         kinds = {"address": (str, "a string: local, auto or HOST:PORT"), "hosts": (int, "a whole number"),
                  "cpus_per_host": ((int, float), "a number"), "gpus_per_host": (int, "a whole number"),
-                 "max_restarts": (int, "a whole number"), "object_store_mb": (int, "a whole number")}
+                 "max_restarts": (int, "a whole number"), "object_store_mb": (int, "a whole number"),
+                 "elastic": (bool, "true or false"), "min_hosts": (int, "a whole number"),
+                 "resize_check_s": ((int, float), "a number of seconds"),
+                 "stop_grace_s": ((int, float), "a number of seconds")}
         for key, (kind, words) in kinds.items():
-            if key in values and (not isinstance(values[key], kind) or isinstance(values[key], bool)):
+            if key in values and (not isinstance(values[key], kind) or (kind is not bool and isinstance(values[key], bool))):
                 raise UserError(f"Invalid config `hydra.launcher.{key}={values[key]!r}`: it must be {words}. Fix: "
                                 f"set hydra.launcher.{key} to {words} (conf/hydra/launcher/ray.yaml says what each "
                                 "setting means).")
@@ -83,7 +94,10 @@ class RaySettings:
                  ("cpus_per_host", self.cpus_per_host >= 0, ">= 0"),
                  ("gpus_per_host", self.gpus_per_host >= 0, ">= 0"),
                  ("max_restarts", self.max_restarts >= -1, "-1 (no limit) or more"),
-                 ("object_store_mb", self.object_store_mb >= 80, "at least 80 (Ray's minimum)"))
+                 ("object_store_mb", self.object_store_mb >= 80, "at least 80 (Ray's minimum)"),
+                 ("min_hosts", self.min_hosts >= 1, "1 or more"),
+                 ("resize_check_s", self.resize_check_s > 0, "> 0"),
+                 ("stop_grace_s", self.stop_grace_s >= 0, ">= 0"))
         for key, ok, bound in rules:
             if not ok:
                 raise UserError(f"Invalid config `hydra.launcher.{key}={getattr(self, key)!r}`: it must be {bound}. "
@@ -170,6 +184,10 @@ def scaling(spec: Any, settings: RaySettings) -> tuple[dict[str, Any], int]:
 
     topology = parse_topology(spec.topology)
     if topology.platform == "tpu":
+        if settings.elastic:
+            raise UserError(f"hydra.launcher.elastic=true with topology={spec.topology}: a TPU slice cannot lose a "
+                            "host and go on (its chips are one interconnect). Fix: drop hydra.launcher.elastic; Ray "
+                            "still restarts the slice's hosts after a failure.")
         if topology.num_slices > 1:
             raise UserError(f"topology={spec.topology} under hydra/launcher=ray: Ray Train's JaxTrainer reserves one "
                             "TPU slice. Fix: train on one slice under Ray, or launch several slices with "
@@ -189,7 +207,18 @@ def scaling(spec: Any, settings: RaySettings) -> tuple[dict[str, Any], int]:
     resources: dict[str, float] = {"CPU": settings.cpus_per_host}
     if settings.gpus_per_host:
         resources["GPU"] = settings.gpus_per_host
-    return {"num_workers": hosts, "use_gpu": bool(settings.gpus_per_host), "resources_per_worker": resources}, hosts
+    workers: Any = hosts
+    if settings.elastic:
+        if spec.mesh.data != -1:
+            raise UserError(f"hydra.launcher.elastic=true with mesh.data={spec.mesh.data}: an elastic run shrinks "
+                            "along the data axis, so it must fill what the other axes leave. Fix: set mesh.data=-1 "
+                            "(the default), or drop hydra.launcher.elastic.")
+        if not 1 <= settings.min_hosts <= hosts:
+            raise UserError(f"Invalid config `hydra.launcher.min_hosts={settings.min_hosts}`: it must be between 1 "
+                            f"and the {hosts} host(s) the run asks for. Fix: set hydra.launcher.min_hosts to 1..{hosts}.")
+        workers = (settings.min_hosts, hosts)
+    return {"num_workers": workers, "use_gpu": bool(settings.gpus_per_host), "resources_per_worker": resources,
+            **({"elastic_resize_monitor_interval_s": settings.resize_check_s} if settings.elastic else {})}, hosts
 
 
 def worker_overrides(spec: Any, overrides: Sequence[str]) -> list[str]:
@@ -231,7 +260,11 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
     else:
         ray.init(address=settings.address, ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
 
-    book = ray.remote(AttemptBook).options(num_cpus=0).remote()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # on the driver's node: it lives as long as the driver, whichever hosts come and go
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    book = ray.remote(AttemptBook).options(num_cpus=0, scheduling_strategy=here).remote()
 
     class Policy(DefaultFailurePolicy):
         """Ray retries every worker failure; a runner exit a rerun cannot fix ends the job."""
@@ -264,10 +297,12 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
             book.ended.remote({int(r): describe_failure(e) for r, e in sorted(worker_exceptions.items())})
 
     limit = "no limit" if settings.max_restarts < 0 else f"at most {settings.max_restarts}"
+    elastic = f"; elastic down to {settings.min_hosts}" if settings.elastic else ""
     say(f"ray: training {spec.run.dir} on {hosts} host{'s' if hosts != 1 else ''} "
-        f"({settings.address} cluster; restarts: {limit})")
+        f"({settings.address} cluster; restarts: {limit}{elastic})")
     config = {"overrides": worker_overrides(spec, overrides), "cwd": os.getcwd(), "env": dict(settings.env),
-              "python": sys.executable, "book": book}
+              "python": sys.executable, "book": book, "hosts": hosts,
+              "accumulate_steps": spec.train.accumulate_steps, "batch_size": spec.train.batch_size}
     trainer = Trainer(
         run_worker, train_loop_config=config,
         jax_config=JaxConfig(use_tpu=False, use_gpu=False),  # runner's own processes start jax.distributed
@@ -275,7 +310,7 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
         run_config=RunConfig(name=f"runner-{os.getpid()}-{int(time.time())}",
                              storage_path=os.path.join(tempfile.gettempdir(), "runner-ray"),
                              failure_config=FailureConfig(max_failures=settings.max_restarts),
-                             callbacks=[Reporter()]))
+                             callbacks=[Reporter(), graceful_stop(settings.stop_grace_s)]))
     printer = EventPrinter(ray, book, say, settings.max_restarts)
     printer.start()
     try:
@@ -287,7 +322,10 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
         code, message = PREEMPTED_EXIT_CODE, f"Ray could not run the job ({type(err).__name__}: {str(err)[:500]})"
     finally:
         printer.stop()
-    attempts = ray.get(book.count.remote())
+    try:
+        attempts = ray.get(book.count.remote(), timeout=30)
+    except Exception:  # the book is gone with its node (a head that died): the count is unknown
+        attempts = 0
     restarts = max(0, attempts - 1)
     say(f"ray: {'finished' if code == 0 else 'ended'} after {attempts} attempt{'s' if attempts != 1 else ''} "
         f"({restarts} restart{'s' if restarts != 1 else ''}){'' if code == 0 else f', exit {code}'}")
@@ -364,6 +402,9 @@ class AttemptBook:
         self.events.append(f"attempt {self.attempts} started on {hosts} host{'s' if hosts != 1 else ''}")
         return self.attempts
 
+    def note(self, text: str) -> None:
+        self.events.append(text)
+
     def resumed(self, attempt: int, step: int) -> None:
         self.events.append(f"attempt {attempt}: resumed from step {step}")
 
@@ -379,6 +420,56 @@ class AttemptBook:
 
 
 # ---------------------------------------------------------------------------------- a worker
+
+
+def graceful_stop(grace_s: float) -> Any:
+    """A callback for Ray's controller: when it stops a healthy group (an elastic resize), each host's
+    runner gets SIGTERM first and up to `grace_s` to save and exit 75, so nothing is recomputed. A
+    failing group is stopped at once (its survivors are waiting on a dead peer)."""
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    class GracefulStop(WorkerGroupCallback):
+        def __init__(self) -> None:
+            self.failing = False
+
+        def after_worker_group_start(self, worker_group: Any) -> None:
+            self.failing = False
+
+        def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+            if worker_group_status.errors:
+                self.failing = True
+
+        def before_worker_group_shutdown(self, worker_group: Any) -> None:
+            if self.failing or grace_s <= 0:
+                return
+            import ray
+
+            refs = worker_group.execute_async(stop_runner, grace_s)
+            ray.wait(refs, num_returns=len(refs), timeout=grace_s + 10)
+
+    return GracefulStop()
+
+
+_running: Optional[subprocess.Popen] = None  # this worker's runner process, for stop_runner
+
+
+def stop_runner(grace_s: float) -> None:
+    """In a worker: SIGTERM to its runner process (it saves and exits 75), waiting up to grace_s."""
+    proc = _running
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def elastic_accumulation(accumulate: int, batch: int, hosts: int, present: int) -> int:
+    """Micro-batches per step on `present` of `hosts` hosts that keep each device's rows per
+    micro-batch at most what they were: the global batch is kept, the data axis shrank."""
+    wanted = -(-accumulate * hosts // present)
+    return next((k for k in range(wanted, batch + 1) if batch % k == 0), wanted)
 
 
 def _die_with_parent() -> None:
@@ -422,9 +513,19 @@ def run_worker(config: dict[str, Any]) -> None:
     env = {**os.environ, **config["env"], "RUNNER_ATTEMPT": str(attempt), "PYTHONUNBUFFERED": "1"}
     if world > 1:  # a fresh coordinator (port) every attempt
         env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
-    proc = subprocess.Popen([config["python"], "-m", "runner", *config["overrides"]], cwd=config["cwd"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            preexec_fn=_die_with_parent)
+    overrides = list(config["overrides"])
+    if world != config["hosts"]:  # elastic: fewer hosts than asked for; the global batch is kept
+        accumulate = elastic_accumulation(config["accumulate_steps"], config["batch_size"], config["hosts"], world)
+        overrides = [o for o in overrides if o.split("=", 1)[0] != "train.accumulate_steps"]
+        overrides.append(f"train.accumulate_steps={accumulate}")
+        if rank == 0:
+            book.note.remote(f"attempt {attempt}: elastic: {world} of {config['hosts']} hosts, the mesh's data axis "
+                             f"shrinks; train.accumulate_steps {config['accumulate_steps']} -> {accumulate} keeps the "
+                             f"global batch of {config['batch_size']}")
+    global _running
+    proc = _running = subprocess.Popen([config["python"], "-m", "runner", *overrides], cwd=config["cwd"], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                       preexec_fn=_die_with_parent)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     reported = False
     assert proc.stdout is not None

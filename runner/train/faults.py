@@ -8,6 +8,7 @@ RUNNER_FAULT=stall_in_step:N     stop for good as step N is about to be dispatch
                                  returns): the watchdog's case (run.hang_timeout)
 RUNNER_FAULT=wedge_in_step:N     the same, in a native call that holds the interpreter lock, so no
                                  Python thread of this process runs again (a wedged driver)
+RUNNER_FAULT=slow_steps:S         every step takes S seconds more (a run a test can change mid-way)
 
 `@P` after N limits a fault to process P (`stall_in_step:6@1`); without it every process acts.
 RUNNER_FAULT_ATTEMPT=K limits it to the K-th attempt of a supervisor that restarts the run and says
@@ -95,9 +96,19 @@ class StallInStep(Component):
             wedge_in_step()
 
 
+class SlowSteps(Component):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def before_step(self, loop: Loop, step: int) -> None:
+        time.sleep(self.seconds)
+
+
 def components(wait_for_saves: Callable[[], None]) -> list[Component]:
     if _event == "kill_at_step":
         return [KillAtStep(wait_for_saves)]
+    if _event == "slow_steps":
+        return [SlowSteps(float(_step))]
     return [StallInStep()] if _event in ("stall_in_step", "wedge_in_step") else []
 
 
