@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from runner.errors import UserError
+from runner.errors import UserError, first_line
 from runner.exits import DOES_NOT_FIT_EXIT_CODE, HALTED_EXIT_CODE, PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
 
 TARGET = "hydra_plugins.runner_ray_launcher.ray_launcher.RayLauncher"
@@ -245,20 +245,25 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
         raise UserError(f"mode={spec.mode} under hydra/launcher=ray: Ray runs training only (mode=compile needs no "
                         "cluster; mode=eval runs on one host). Fix: drop hydra/launcher=ray for this command.")
     check_cluster(settings)
+    scaling_kwargs, hosts = scaling(spec, settings)
     quiet_ray()  # before Ray is imported: some settings are read then
     ray = import_ray()
-    scaling_kwargs, hosts = scaling(spec, settings)
     from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback, WorkerGroupError
     from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
     from ray.train.v2.jax import JaxConfig, JaxTrainer
 
-    if settings.address == "local":
-        ray.init(num_cpus=max(2, int(hosts * settings.cpus_per_host + 0.999)),
-                 num_gpus=hosts * settings.gpus_per_host or None,
-                 object_store_memory=settings.object_store_mb * 2**20, include_dashboard=False,
-                 ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
-    else:
-        ray.init(address=settings.address, ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+    try:
+        if settings.address == "local":
+            ray.init(num_cpus=max(2, int(hosts * settings.cpus_per_host + 0.999)),
+                     num_gpus=hosts * settings.gpus_per_host or None,
+                     object_store_memory=settings.object_store_mb * 2**20, include_dashboard=False,
+                     ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+        else:
+            ray.init(address=settings.address, ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as err:  # e.g. auto with no cluster to join
+        raise UserError(f"hydra.launcher.address={settings.address!r}: Ray could not start or join a cluster "
+                        f"({first_line(err, 300)}). Fix: start one (`ray start --head`), give its HOST:PORT, or use "
+                        "hydra.launcher.address=local.") from None
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -311,7 +316,7 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
                              storage_path=os.path.join(tempfile.gettempdir(), "runner-ray"),
                              failure_config=FailureConfig(max_failures=settings.max_restarts),
                              callbacks=[Reporter(), graceful_stop(settings.stop_grace_s)]))
-    printer = EventPrinter(ray, book, say, settings.max_restarts)
+    printer = EventPrinter(ray, book, say)
     printer.start()
     try:
         trainer.fit()
@@ -361,8 +366,8 @@ def final_outcome(failures: Mapping[int, BaseException]) -> tuple[int, str]:
 class EventPrinter:
     """Prints what the attempt book records, as it happens, from a thread of the driver."""
 
-    def __init__(self, ray: Any, book: Any, say: Any, max_restarts: int) -> None:
-        self.ray, self.book, self.say, self.max_restarts = ray, book, say, max_restarts
+    def __init__(self, ray: Any, book: Any, say: Any) -> None:
+        self.ray, self.book, self.say = ray, book, say
         self.seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runner-ray-events", daemon=True)

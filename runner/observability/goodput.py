@@ -113,7 +113,8 @@ class Goodput:
         return {k: self.before.get(k, 0.0) + this.get(k, 0.0) for k in (*CATEGORIES, "other", "wall")}
 
     def report(self, totals: Mapping[str, float]) -> dict[str, float]:
-        """The metrics: goodput/percent, goodput/launches, goodput/recomputed_steps, goodput/<category>_s."""
+        """The metrics: goodput/percent, goodput/launches, goodput/restarts (a supervisor's, RUNNER_ATTEMPT - 1),
+        goodput/recomputed_steps, goodput/<category>_s."""
         useful = totals["train"] - totals["recomputed"]
         out = {"goodput/percent": 100.0 * useful / totals["wall"] if totals["wall"] > 0 else 0.0,
                "goodput/launches": float(self.launches_before + 1),

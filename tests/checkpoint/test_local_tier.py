@@ -85,11 +85,12 @@ def durable_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def assert_bitwise(a: Path, b: Path) -> None:
+def assert_bitwise(a: Path, b: Path, steps: int = STEPS) -> None:
+    """Two runs of `steps` steps: the same loss at every step, the same final parameters, bit for bit."""
     la = {r["step"]: r["loss"] for r in read_metrics(a) if "loss" in r}
     lb = {r["step"]: r["loss"] for r in read_metrics(b) if "loss" in r}
-    assert la == lb and sorted(la) == list(range(1, STEPS + 1))
-    for x, y in zip(params_of(a, STEPS), params_of(b, STEPS), strict=True):
+    assert la == lb and sorted(la) == list(range(1, steps + 1))
+    for x, y in zip(params_of(a, steps), params_of(b, steps), strict=True):
         np.testing.assert_array_equal(x, y)
 
 

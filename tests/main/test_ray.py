@@ -85,6 +85,10 @@ def test_no_ray_cluster_at_the_address_is_one_paragraph(tmp_path) -> None:
     assert result.stderr.count("error: ") == 1 and "no Ray cluster answers there" in result.stderr
     assert f"ray start --head --port={port}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "r").exists()
+    joined = on_ray([*TINY, "run.dir=r", "hydra.launcher.address=auto"], tmp_path, timeout=120, RAY_ADDRESS="")
+    assert joined.returncode == 2 and joined.stderr.count("error: ") == 1, joined.stderr[-2000:]
+    assert "Ray could not start or join a cluster (Could not find any running Ray instance" in joined.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("bad, words", [
