@@ -81,7 +81,8 @@ def task_yaml(args: argparse.Namespace) -> str:
     if platform == "tpu" and args.nodes != 1:
         fail(f"--nodes {args.nodes} with a TPU slice: SkyPilot runs the task on every host of the slice already. "
              "Fix: drop --nodes (one slice per task).")
-    words = [*[o for o in overrides if not o.startswith("topology=")], f"topology={topology}", f"run.dir={args.run_dir}"]
+    kept = [o for o in overrides if not o.startswith("topology=")]
+    words = [*kept, f"topology={topology}", f"run.dir={args.run_dir}"]
     command = ".venv/bin/python -m runner " + " ".join(shell_quote(w) for w in words)
     if platform == "cuda" and args.nodes > 1:
         command += (' distributed.coordinator_address="$(echo "$SKYPILOT_NODE_IPS" | head -n1):'
@@ -122,9 +123,10 @@ def check_with_skypilot(path: Path, sky_python: str) -> str:
         "(resources,) = task.resources\n"
         "if str(resources.accelerators).startswith(\"{'tpu\"):\n"
         "    task.validate(skip_file_mounts=True, skip_workdir=True)\n"
-        "print(f'{task.name}: {task.num_nodes} node(s), {resources.accelerators}, recovery {resources.job_recovery}')\n")
+        "print(f'{task.name}: {task.num_nodes} node(s), {resources.accelerators}, '\n"
+        "      f'recovery {resources.job_recovery}')\n")
     result = subprocess.run([sky_python, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HOME": os.environ.get("SKY_CHECK_HOME", os.environ.get("HOME", "/tmp"))})
+                            env={**os.environ, "HOME": os.environ.get("SKY_CHECK_HOME") or os.environ.get("HOME", "/tmp")})
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         fail(f"SkyPilot refuses {path}: {lines[-1] if lines else 'no reason given'}")

@@ -81,7 +81,9 @@ class RaySettings:
                  "resize_check_s": ((int, float), "a number of seconds"),
                  "stop_grace_s": ((int, float), "a number of seconds")}
         for key, (kind, words) in kinds.items():
-            if key in values and (not isinstance(values[key], kind) or (kind is not bool and isinstance(values[key], bool))):
+            value = values.get(key)
+            mistyped = not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
+            if key in values and mistyped:
                 raise UserError(f"Invalid config `hydra.launcher.{key}={values[key]!r}`: it must be {words}. Fix: "
                                 f"set hydra.launcher.{key} to {words} (conf/hydra/launcher/ray.yaml says what each "
                                 "setting means).")
@@ -215,7 +217,8 @@ def scaling(spec: Any, settings: RaySettings) -> tuple[dict[str, Any], int]:
                             "(the default), or drop hydra.launcher.elastic.")
         if not 1 <= settings.min_hosts <= hosts:
             raise UserError(f"Invalid config `hydra.launcher.min_hosts={settings.min_hosts}`: it must be between 1 "
-                            f"and the {hosts} host(s) the run asks for. Fix: set hydra.launcher.min_hosts to 1..{hosts}.")
+                            f"and the {hosts} host(s) the run asks for. Fix: set hydra.launcher.min_hosts to "
+                            f"1..{hosts}.")
         workers = (settings.min_hosts, hosts)
     return {"num_workers": workers, "use_gpu": bool(settings.gpus_per_host), "resources_per_worker": resources,
             **({"elastic_resize_monitor_interval_s": settings.resize_check_s} if settings.elastic else {})}, hosts
@@ -254,8 +257,8 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
 
     try:
         if settings.address == "local":
+            # CPUs are logical (as many as the hosts reserve); GPUs and TPUs are what Ray finds here
             ray.init(num_cpus=max(2, int(hosts * settings.cpus_per_host + 0.999)),
-                     num_gpus=hosts * settings.gpus_per_host or None,
                      object_store_memory=settings.object_store_mb * 2**20, include_dashboard=False,
                      ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
         else:
@@ -265,6 +268,7 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
                         f"({first_line(err, 300)}). Fix: start one (`ray start --head`), give its HOST:PORT, or use "
                         "hydra.launcher.address=local.") from None
 
+    check_resources(ray, scaling_kwargs, hosts, settings, say)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # on the driver's node: it lives as long as the driver, whichever hosts come and go
@@ -337,6 +341,27 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
     if settings.address == "local":
         ray.shutdown()
     return code, message
+
+
+def check_resources(ray: Any, scaling_kwargs: Mapping[str, Any], hosts: int, settings: RaySettings,
+                    say: Any) -> None:
+    """What the hosts reserve against what the cluster has: a local cluster never grows, so a
+    shortfall is one paragraph at once (Ray would wait for it, attempt after attempt); a remote one
+    may have an autoscaler, so it is said and waited for."""
+    per_host = dict(scaling_kwargs["resources_per_worker"])
+    least = scaling_kwargs["num_workers"][0] if isinstance(scaling_kwargs["num_workers"], tuple) else hosts
+    have = ray.cluster_resources()
+    short = {name: (amount * least, have.get(name, 0.0)) for name, amount in per_host.items()
+             if have.get(name, 0.0) < amount * least}
+    if not short:
+        return
+    words = ", ".join(f"{need:g} {name} (it has {got:g})" for name, (need, got) in short.items())
+    if settings.address == "local":
+        raise UserError(f"hydra/launcher=ray: {least} host(s) need {words}, and the Ray cluster this command "
+                        "starts on this machine has no more. Fix: lower hydra.launcher.hosts, cpus_per_host or "
+                        "gpus_per_host, run on a machine that has them, or join a cluster that does "
+                        "(hydra.launcher.address=HOST:PORT).")
+    say(f"ray: waiting for {words}: the cluster has fewer now (an autoscaler may add them)")
 
 
 def quiet_ray() -> None:
@@ -545,4 +570,5 @@ def run_worker(config: dict[str, Any]) -> None:
     if code != 0:
         _no_traceback_for_runner_exits()
         text = "".join(tail)
-        raise RunnerExit(rank, code, text, stopped_on_request=code == PREEMPTED_EXIT_CODE and STOPPED_ON_REQUEST in text)
+        asked = code == PREEMPTED_EXIT_CODE and STOPPED_ON_REQUEST in text
+        raise RunnerExit(rank, code, text, stopped_on_request=asked)

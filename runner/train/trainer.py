@@ -298,7 +298,8 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                     raise
                 self.warn(f"{err} The local save of step {step} goes ahead; its metrics stay in memory until an "
                           "upload succeeds.")
-        with self.watching("save", step), self.goodput.timing("checkpoint" if tier == "durable" else "checkpoint_local"):
+        category = "checkpoint" if tier == "durable" else "checkpoint_local"
+        with self.watching("save", step), self.goodput.timing(category):
             yield
         self.callbacks("on_save_end", self, step=step)
 

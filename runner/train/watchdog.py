@@ -40,7 +40,8 @@ AUTO_COMPILES = 3.0
 AUTO_STEPS = 20.0
 AUTO_EVALS = 3.0
 ACK_WAIT_S = 10.0  # how long a stopping process waits for the others to have heard (process 0 hosts the service)
-FALLBACK_GRACE_S = 5.0  # faulthandler's C timer: this long after the Python thread should have fired (it cancels the timer first)
+# faulthandler's C timer fires this long after the Python thread should have (which cancels it first)
+FALLBACK_GRACE_S = 5.0
 HANG_KEY = "runner/watchdog/hang"
 ACK_PREFIX = "runner/watchdog/ack/"
 

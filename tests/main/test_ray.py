@@ -149,8 +149,9 @@ def test_which_exits_are_retried() -> None:
 
 @pytest.mark.e2e
 def test_every_sweep_member_is_a_ray_job_and_the_summary_is_todays(tmp_path) -> None:
-    sweep = subprocess.run([sys.executable, "-m", "runner", "-m", "hydra/launcher=ray", "hydra.launcher.object_store_mb=100",
-                            *TINY, "train.steps=3", "eval.every=0", "optimizer.lr=1e-2,2e-2", "run.root=runs"],
+    sweep = subprocess.run([sys.executable, "-m", "runner", "-m", "hydra/launcher=ray",
+                            "hydra.launcher.object_store_mb=100", *TINY, "train.steps=3", "eval.every=0",
+                            "optimizer.lr=1e-2,2e-2", "run.root=runs"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=600,
                            env=runner_env(tmp_path, 1, RAY_AUTH_MODE="disabled"))
     assert sweep.returncode == 0, (sweep.stdout + sweep.stderr)[-3000:]
@@ -225,3 +226,23 @@ def test_elastic_goes_on_with_the_hosts_left_and_grows_back(tmp_path, monkeypatc
     reference = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "reference") if "loss" in r}
     assert sorted(run) == sorted(reference) == list(range(1, ELASTIC_STEPS + 1))
     np.testing.assert_allclose([run[s] for s in sorted(run)], [reference[s] for s in sorted(run)], rtol=2e-6)
+
+
+def test_hosts_the_cluster_cannot_hold_are_refused_at_once_on_a_local_cluster() -> None:
+    from runner.errors import UserError
+    from runner.main.ray_launcher import RaySettings, check_resources
+
+    class FakeRay:
+        @staticmethod
+        def cluster_resources() -> dict[str, float]:
+            return {"CPU": 2.0}
+
+    said: list[str] = []
+    gpus = {"num_workers": 2, "resources_per_worker": {"CPU": 1, "GPU": 8}}
+    with pytest.raises(UserError, match=r"2 host\(s\) need 16 GPU \(it has 0\)"):
+        check_resources(FakeRay, gpus, 2, RaySettings(), said.append)
+    check_resources(FakeRay, gpus, 2, RaySettings(address="head:6379"), said.append)  # an autoscaler may add them
+    assert said == ["ray: waiting for 16 GPU (it has 0): the cluster has fewer now (an autoscaler may add them)"]
+    elastic = {"num_workers": (1, 4), "resources_per_worker": {"CPU": 2}}
+    check_resources(FakeRay, elastic, 4, RaySettings(), said.append)  # one host of two CPUs is enough to start
+    assert len(said) == 1
