@@ -249,12 +249,37 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
                         "cluster; mode=eval runs on one host). Fix: drop hydra/launcher=ray for this command.")
     check_cluster(settings)
     scaling_kwargs, hosts = scaling(spec, settings)
-    quiet_ray()  # before Ray is imported: some settings are read then
+    quiet_ray(settings.address == "local")  # before Ray is imported: some settings are read then
     ray = import_ray()
-    from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback, WorkerGroupError
-    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-    from ray.train.v2.jax import JaxConfig, JaxTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    join_cluster(ray, settings, hosts)
+    check_resources(ray, scaling_kwargs, hosts, settings, say)
+    # on the driver's node: it lives as long as the driver, whichever hosts come and go
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    book = ray.remote(AttemptBook).options(num_cpus=0, scheduling_strategy=here).remote()
+    limit = "no limit" if settings.max_restarts < 0 else f"at most {settings.max_restarts}"
+    elastic = f"; elastic down to {settings.min_hosts}" if settings.elastic else ""
+    say(f"ray: training {spec.run.dir} on {hosts} host{'s' if hosts != 1 else ''} "
+        f"({settings.address} cluster; restarts: {limit}{elastic})")
+    config = {"overrides": worker_overrides(spec, overrides), "cwd": os.getcwd(), "env": dict(settings.env),
+              "python": sys.executable, "book": book, "hosts": hosts,
+              "accumulate_steps": spec.train.accumulate_steps, "batch_size": spec.train.batch_size}
+    code, message = fit(make_trainer(settings, scaling_kwargs, config, book), EventPrinter(ray, book, say))
+    try:
+        attempts = ray.get(book.count.remote(), timeout=30)
+    except Exception:  # the book is gone with its node (a head that died): the count is unknown
+        attempts = 0
+    restarts = max(0, attempts - 1)
+    say(f"ray: {'finished' if code == 0 else 'ended'} after {attempts} attempt{'s' if attempts != 1 else ''} "
+        f"({restarts} restart{'s' if restarts != 1 else ''}){'' if code == 0 else f', exit {code}'}")
+    if settings.address == "local":
+        ray.shutdown()
+    return code, message
+
+
+def join_cluster(ray: Any, settings: RaySettings, hosts: int) -> None:
+    """Start a cluster on this machine (address=local) or join one; one paragraph if neither works."""
     try:
         if settings.address == "local":
             # CPUs are logical (as many as the hosts reserve); GPUs and TPUs are what Ray finds here
@@ -268,12 +293,13 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
                         f"({first_line(err, 300)}). Fix: start one (`ray start --head`), give its HOST:PORT, or use "
                         "hydra.launcher.address=local.") from None
 
-    check_resources(ray, scaling_kwargs, hosts, settings, say)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # on the driver's node: it lives as long as the driver, whichever hosts come and go
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    book = ray.remote(AttemptBook).options(num_cpus=0, scheduling_strategy=here).remote()
+def make_trainer(settings: RaySettings, scaling_kwargs: Mapping[str, Any], config: dict[str, Any], book: Any) -> Any:
+    """Ray Train's JaxTrainer with runner's failure policy, its callbacks, and none of Ray's
+    checkpoints or jax.distributed set-up (runner's own processes do both)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback, WorkerGroupError
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2.jax import JaxConfig, JaxTrainer
 
     class Policy(DefaultFailurePolicy):
         """Ray retries every worker failure; a runner exit a rerun cannot fix ends the job."""
@@ -291,13 +317,14 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
             return super()._initialize_and_run_controller(**kwargs)
 
         def _create_default_callbacks(self) -> list[Any]:
-            """The placement-group cleaner asks the state API, which a cluster without its dashboard
-            (runner's local one) lacks: a warning every second. A local cluster ends with this
-            process, its placement groups with it."""
+            """On runner's local cluster (no dashboard, no cloud, no datasets): without the
+            placement-group cleaner (it asks the dashboard's state API: a warning every second; the
+            cluster ends with this process anyway) and the datasets manager, which busy two cores."""
             callbacks = super()._create_default_callbacks()
             if settings.address != "local":
                 return callbacks
-            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+            idle = ("PlacementGroupCleanerCallback", "DatasetsCallback")
+            return [c for c in callbacks if type(c).__name__ not in idle]
 
     class Reporter(UserCallback):
         """Runs in Ray's controller: each failed attempt's reasons, for the driver to print."""
@@ -305,14 +332,7 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
         def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
             book.ended.remote({int(r): describe_failure(e) for r, e in sorted(worker_exceptions.items())})
 
-    limit = "no limit" if settings.max_restarts < 0 else f"at most {settings.max_restarts}"
-    elastic = f"; elastic down to {settings.min_hosts}" if settings.elastic else ""
-    say(f"ray: training {spec.run.dir} on {hosts} host{'s' if hosts != 1 else ''} "
-        f"({settings.address} cluster; restarts: {limit}{elastic})")
-    config = {"overrides": worker_overrides(spec, overrides), "cwd": os.getcwd(), "env": dict(settings.env),
-              "python": sys.executable, "book": book, "hosts": hosts,
-              "accumulate_steps": spec.train.accumulate_steps, "batch_size": spec.train.batch_size}
-    trainer = Trainer(
+    return Trainer(
         run_worker, train_loop_config=config,
         jax_config=JaxConfig(use_tpu=False, use_gpu=False),  # runner's own processes start jax.distributed
         scaling_config=ScalingConfig(**scaling_kwargs),
@@ -320,27 +340,22 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
                              storage_path=os.path.join(tempfile.gettempdir(), "runner-ray"),
                              failure_config=FailureConfig(max_failures=settings.max_restarts),
                              callbacks=[Reporter(), graceful_stop(settings.stop_grace_s)]))
-    printer = EventPrinter(ray, book, say)
+
+
+def fit(trainer: Any, printer: "EventPrinter") -> tuple[int, str]:
+    """Run the job to its end, printing its events as they come: (exit code, paragraph)."""
+    from ray.train import WorkerGroupError
+
     printer.start()
     try:
         trainer.fit()
-        code, message = 0, ""
+        return 0, ""
     except WorkerGroupError as err:
-        code, message = final_outcome(err.worker_failures)
+        return final_outcome(err.worker_failures)
     except Exception as err:  # the controller failed (a group that could not start): Ray's own reason
-        code, message = PREEMPTED_EXIT_CODE, f"Ray could not run the job ({type(err).__name__}: {str(err)[:500]})"
+        return PREEMPTED_EXIT_CODE, f"Ray could not run the job ({type(err).__name__}: {str(err)[:500]})"
     finally:
         printer.stop()
-    try:
-        attempts = ray.get(book.count.remote(), timeout=30)
-    except Exception:  # the book is gone with its node (a head that died): the count is unknown
-        attempts = 0
-    restarts = max(0, attempts - 1)
-    say(f"ray: {'finished' if code == 0 else 'ended'} after {attempts} attempt{'s' if attempts != 1 else ''} "
-        f"({restarts} restart{'s' if restarts != 1 else ''}){'' if code == 0 else f', exit {code}'}")
-    if settings.address == "local":
-        ray.shutdown()
-    return code, message
 
 
 def check_resources(ray: Any, scaling_kwargs: Mapping[str, Any], hosts: int, settings: RaySettings,
@@ -364,9 +379,12 @@ def check_resources(ray: Any, scaling_kwargs: Mapping[str, Any], hosts: int, set
     say(f"ray: waiting for {words}: the cluster has fewer now (an autoscaler may add them)")
 
 
-def quiet_ray() -> None:
+def quiet_ray(local: bool) -> None:
     """Each worker line once (Train v2 also logs what a worker prints), without colour codes off
-    a terminal, and Train's metrics off (they need the dashboard's agent)."""
+    a terminal, and Train's metrics off (they need the dashboard's agent); on runner's local
+    cluster, no watcher for cloud preemption notices (an actor polling all the while)."""
+    if local:
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

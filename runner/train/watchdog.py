@@ -221,7 +221,11 @@ class Watchdog(Component):
             return
         deadline = self.last_beat + limit + FALLBACK_GRACE_S
         if self._fallback_deadline is None or abs(deadline - self._fallback_deadline) > max(1.0, limit / 10):
-            faulthandler.dump_traceback_later(max(1.0, deadline - self.clock()), exit=True)
+            try:  # to the process's own stderr (fd 2), whatever sys.stderr has been replaced by
+                faulthandler.dump_traceback_later(max(1.0, deadline - self.clock()), exit=True, file=sys.__stderr__)
+            except (ValueError, OSError, AttributeError):  # no file descriptor to write to: no fallback
+                self.use_faulthandler = False
+                return
             self._fallback_deadline = deadline
 
     def fire(self, told: Optional[str] = None) -> None:
