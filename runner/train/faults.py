@@ -8,7 +8,7 @@ RUNNER_FAULT=stall_in_step:N     stop for good as step N is about to be dispatch
                                  returns): the watchdog's case (run.hang_timeout)
 RUNNER_FAULT=wedge_in_step:N     the same, in a native call that holds the interpreter lock, so no
                                  Python thread of this process runs again (a wedged driver)
-RUNNER_FAULT=slow_steps:S         every step takes S seconds more (a run a test can change mid-way)
+RUNNER_FAULT=slow_steps:S        every step takes S seconds more (a run a test can change mid-way)
 
 `@P` after N limits a fault to process P (`stall_in_step:6@1`); without it every process acts.
 RUNNER_FAULT_ATTEMPT=K limits it to the K-th attempt of a supervisor that restarts the run and says
