@@ -44,6 +44,8 @@ ACK_WAIT_S = 10.0  # how long a stopping process waits for the others to have he
 FALLBACK_GRACE_S = 5.0
 HANG_KEY = "runner/watchdog/hang"
 ACK_PREFIX = "runner/watchdog/ack/"
+GONE_PREFIX = "runner/watchdog/gone/"
+GONE_GRACE_S = 1.0  # after the last peer said it leaves: its os._exit is microseconds away
 
 
 class Peers:
@@ -95,6 +97,26 @@ class Peers:
             except Exception:
                 return
             time.sleep(0.2)
+
+    def leave_in_order(self, leave: Callable[[int], None], code: int, timeout_s: float) -> None:
+        """Process 0 hosts the coordination service and leaves last: a peer still alive when it
+        goes is aborted by jax's error poller (exit -6, not `code`). The others leave at once."""
+        if self.client is None or self.index != 0:
+            if self.client is not None:
+                with contextlib.suppress(Exception):
+                    self.client.key_value_set(f"{GONE_PREFIX}{self.index}", "1")
+            leave(code)
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if len(self.client.key_value_dir_get(GONE_PREFIX)) >= self.count - 1:
+                    time.sleep(GONE_GRACE_S)
+                    break
+            except Exception:
+                break
+            time.sleep(0.1)
+        leave(code)
 
 
 class Watchdog(Component):
@@ -248,7 +270,7 @@ class Watchdog(Component):
         self.peers.acknowledge()
         self.peers.wait_for_all(ACK_WAIT_S)
         sys.stdout.flush()
-        self.leave(PREEMPTED_EXIT_CODE)
+        self.peers.leave_in_order(self.leave, PREEMPTED_EXIT_CODE, ACK_WAIT_S)
 
     def write_stacks(self, why: str) -> str:
         """Every thread's Python stack, from faulthandler (it needs a file descriptor: a temporary

@@ -157,3 +157,44 @@ def test_an_explicit_timeout_judges_saves_and_evaluations_too(tmp_path) -> None:
 def test_off_builds_no_watchdog() -> None:
     spec = ExecutionSpec(run=RunSpec(hang_timeout="0"))
     assert Watchdog.for_run(spec, Path("."), lambda: 0.0) is None
+
+
+class FakeClient:
+    """jax.distributed's key-value store, the two calls the leaving order uses."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, str] = {}
+        self.events: list[str] = []
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.store[key] = value
+        self.events.append(f"set {key}")
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+def test_process_0_hosting_the_service_leaves_only_after_every_peer_said_it_leaves(monkeypatch) -> None:
+    import threading
+    import time
+
+    from runner.train import watchdog
+
+    monkeypatch.setattr(watchdog, "GONE_GRACE_S", 0.0)
+    client, left = FakeClient(), []
+    host = Peers(0, 3, client)
+    leaving = threading.Thread(target=host.leave_in_order, args=(lambda code: left.append((0, code)), 75, 10.0))
+    leaving.start()
+    for index in (1, 2):
+        time.sleep(0.3)
+        assert leaving.is_alive() and (0, 75) not in left  # a peer still to go: the service stays
+        Peers(index, 3, client).leave_in_order(lambda code, i=index: left.append((i, code)), 75, 10.0)
+    leaving.join(5)
+    assert left == [(1, 75), (2, 75), (0, 75)]
+    assert client.events == ["set runner/watchdog/gone/1", "set runner/watchdog/gone/2"]
+
+
+def test_process_0_leaves_after_the_timeout_when_a_peer_never_says_so(monkeypatch) -> None:
+    client, left = FakeClient(), []
+    Peers(0, 2, client).leave_in_order(left.append, 75, 0.3)
+    assert left == [75]
