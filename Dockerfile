@@ -1,5 +1,5 @@
 # The runner image. `docker run IMAGE job=gpt_small topology=v4-32` trains, as `python -m runner`
-# does (README, "Launching"). Build with tools/build_image.py, or directly:
+# does (docs/launching.md). Build with tools/build_image.py, or directly:
 #
 #   docker build -t runner .                                    # TPU (libtpu), python:3.12-slim
 #   docker build -t runner:gpu --build-arg JAX_FLAVOUR=cuda .   # NVIDIA GPUs: the `cuda` extra, jax[cuda12]

@@ -16,6 +16,8 @@ from runner.train.trainer import BaseTrainer
 @JOBS.register("lm")
 @JOBS.register("gpt")
 class LMTrainer(BaseTrainer[Any, Any]):
+    """A language model of any registered family (job.model.family), trained by the generic BaseTrainer."""
+
     @classmethod
     def config_from_spec(cls, spec: ExecutionSpec) -> Any:
         return model_config(spec)

@@ -7,9 +7,12 @@ fit; 75 (EX_TEMPFAIL) stopped early on request after saving: rerun the same comm
 
 from __future__ import annotations
 
-HALTED_EXIT_CODE = 1
-USAGE_EXIT_CODE = 2
-DOES_NOT_FIT_EXIT_CODE = 3
+# Each constant's comment is its line in docs/reference/exit-codes.md (tools/reference.py).
+HALTED_EXIT_CODE = 1  # the run stopped itself after saving its last good state: the numerical guard or a hook
+USAGE_EXIT_CODE = 2  # a usage error (a setting, missing data, an unwritable path): one paragraph, no traceback
+DOES_NOT_FIT_EXIT_CODE = 3  # mode=compile found that the train step does not fit in the chips' memory
+# EX_TEMPFAIL: stopped early after saving (SIGTERM, a time or step limit, the stop file, the watchdog, storage
+# down): rerun the same command to resume
 PREEMPTED_EXIT_CODE = 75
 
 

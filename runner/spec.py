@@ -18,7 +18,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import ConfigError, first_line
 
-MODES = ("train", "eval", "compile")
+MODES = (
+    "train",  # train the job from its newest checkpoint (or from scratch) to train.steps (the default)
+    "eval",  # evaluate a checkpoint's parameters (eval.checkpoint, else run.dir's newest) with eval.evaluators
+    "compile",  # compile the train step for the topology without running it: memory per chip, fit (exit 3 if not)
+)
 WANDB_MODES = ("offline", "online", "disabled")
 PROGRESS_STYLES = ("auto", "rich", "plain", "none")
 ON_DAMAGED = ("fallback", "stop")
@@ -56,17 +60,17 @@ class _Frozen:
 class RopeSpec(_Frozen):
     """Rotary embeddings (llama family)."""
 
-    theta: float = 10000.0
+    theta: float = 10000.0  # the rotary base frequency
     # none | linear (positions divided by factor) | llama3 (Llama 3.1+'s frequency scaling: factor,
     # low/high_freq_factor, original_context) | yarn (YaRN: factor, original_context, beta_fast,
     # beta_slow, attention_factor, truncate), as transformers computes them
     scaling: str = "none"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_context: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    factor: float = 8.0  # linear, llama3, yarn: how many times the original context is stretched
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_context / this are scaled fully
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_context / this are kept
+    original_context: int = 8192  # llama3, yarn: the context length the model was pretrained at
+    beta_fast: float = 32.0  # yarn: dimensions turning more than this often over original_context are kept
+    beta_slow: float = 1.0  # yarn: dimensions turning less than this often are interpolated fully
     attention_factor: float = 0.0  # yarn: cos/sin scale; 0: 0.1 * ln(factor) + 1, YaRN's default
     truncate: bool = True  # yarn: round the correction range to whole dimensions
 
@@ -79,9 +83,12 @@ class HFOriginSpec(_Frozen):
     """What an export to Hugging Face keeps of the model a run was imported from (run.init_from=hf:DIR
     fills it from config.json): its architecture and its token ids."""
 
-    architecture: str = ""  # e.g. MistralForCausalLM; empty: the one the model settings call for
-    bos_token_id: Optional[int] = None  # None: the training data's end-of-document id
-    eos_token_id: list[int] = field(default_factory=list)  # empty: the training data's end-of-document id
+    # the transformers class to export as, e.g. MistralForCausalLM; empty: the one the model settings call for
+    architecture: str = ""
+    # the exported beginning-of-sequence id; None: the training data's end-of-document id
+    bos_token_id: Optional[int] = None
+    # the exported end-of-sequence ids; empty: the training data's end-of-document id
+    eos_token_id: list[int] = field(default_factory=list)
 
 
 MOE_DISPATCHES = ("auto", "ragged", "gmm", "capacity", "dense")
@@ -93,7 +100,7 @@ class MoESpec(_Frozen):
     """A mixture-of-experts feed-forward in every layer (the llama family; runner.models.moe):
     off while n_experts is 0."""
 
-    n_experts: int = 0  # 0: a dense MLP
+    n_experts: int = 0  # experts per layer; 0: a dense MLP
     top_k: int = 2  # experts per token
     d_ff_expert: int = 0  # each expert's hidden width; 0: job.model.d_ff
     n_shared_experts: int = 0  # experts every token goes through as well (DeepSeek-V3's)
@@ -128,15 +135,18 @@ class MoESpec(_Frozen):
 
 @dataclass(frozen=True)
 class ModelSpec(_Frozen):
+    """job.model: the model's shape and numerics. A family (job.model.family) reads the keys it
+    knows and refuses another family's keys set away from their defaults."""
+
     family: str = "gpt"  # gpt | llama | import path of your own family (runner.models)
-    vocab_size: int = 320
-    context_length: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 0  # 0: 4 * d_model
-    tie_embeddings: bool = True
-    dropout: float = 0.0
+    vocab_size: int = 320  # rows of the embedding table: at least the tokenizer's vocabulary
+    context_length: int = 128  # the longest sequence the model takes (gpt: learned positions)
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # attention (query) heads
+    d_ff: int = 0  # the MLP's hidden width; 0: 4 * d_model
+    tie_embeddings: bool = True  # the output projection is the embedding table (no separate lm head)
+    dropout: float = 0.0  # gpt: residual dropout rate during training, in [0, 1)
     compute_dtype: str = "float32"  # float32 | bfloat16: activations and matmuls
     param_dtype: str = "float32"  # float32 | bfloat16: the stored parameters (and their gradients)
     attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
@@ -145,8 +155,8 @@ class ModelSpec(_Frozen):
     # auto (dots when layers are scanned, none when unrolled: measured fastest on CPU, docs/performance.md)
     # | none (save every activation) | full (recompute the block) | dots (save the weight matmuls' outputs)
     remat: str = "auto"
-    use_bias: bool = True
-    scan_layers: bool = True
+    use_bias: bool = True  # gpt: biases on the projections and LayerNorms
+    scan_layers: bool = True  # layers as one scanned, stacked layer (fast compiles); false: unrolled
     # int8 | fp8: the matmuls quantization_scope names run quantized, through Qwix
     # (runner.models.quantization); none: in compute_dtype
     quantization: str = "none"
@@ -191,6 +201,9 @@ class ModelSpec(_Frozen):
 
 @dataclass(frozen=True)
 class JobSpec(_Frozen):
+    """job: what is trained, chosen with job=NAME (conf/job/NAME.yaml), which also sets other
+    sections' values."""
+
     name: str = "gpt_tiny"  # the conf/job/*.yaml that was chosen
     trainer: str = "gpt"  # registered job class, or an import path `pkg.module:Class`
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -205,11 +218,15 @@ class JobSpec(_Frozen):
 
 @dataclass(frozen=True)
 class MeshSpec(_Frozen):
-    data: int = -1
-    fsdp: int = 1
+    """mesh: the devices split over five named axes (runner.parallel.mesh); the sizes multiply to
+    the device count."""
+
+    # Each axis is a device count, -1 for the devices the others leave (at most one -1).
+    data: int = -1  # plain data parallelism: the batch split, parameters replicated (split across slices)
+    fsdp: int = 1  # splits the batch and shards parameters and optimizer state (FSDP / ZeRO-3)
     expert: int = 1  # shards a mixture of experts' experts (job.model.moe); elsewhere it splits the batch
     context: int = 1  # splits every row's sequence (long context: job.model.context_parallel)
-    tensor: int = 1
+    tensor: int = 1  # shards within layers (heads, MLP width): tensor parallelism
 
     def check(self, spec: ExecutionSpec) -> None:
         _check_rules("mesh", self, tuple(
@@ -220,26 +237,32 @@ class MeshSpec(_Frozen):
 
 @dataclass(frozen=True)
 class SourceSpec(_Frozen):
-    name: str = ""
+    """One token store a dataset strategy reads."""
+
+    name: str = ""  # its name in metrics and the data fingerprint, unique; empty: the store's own name
     path: str = "default"  # "default": the embedded corpus; else a store directory or gs:// URL
-    weight: float = 1.0  # relative; 0: validation only
+    weight: float = 1.0  # its share of the mixture, relative to the others'; 0: validation only
 
 
 @dataclass(frozen=True)
 class StageSpec(_Frozen):
     """One stage of the `sequential` strategy: its sources train the steps before until_step."""
 
-    until_step: Optional[int] = None  # None: the last stage, to the end of training
-    sources: tuple[SourceSpec, ...] = ()
+    until_step: Optional[int] = None  # the stage ends before this step; None: the last stage, to the end of training
+    sources: tuple[SourceSpec, ...] = ()  # the stores this stage mixes, as data.sources does
 
 
 @dataclass(frozen=True)
 class DataSpec(_Frozen):
-    strategy: str = "mixture"  # mixture | sequential | synthetic | import path
-    sources: tuple[SourceSpec, ...] = (SourceSpec(),)  # mixture
-    stages: tuple[StageSpec, ...] = ()  # sequential
-    prefetch: int = 2
-    num_threads: int = 2
+    """data: what the model trains on (a dataset strategy and its token stores) and how batches are
+    fed."""
+
+    # the dataset strategy (runner.data.strategies): mixture | sequential | synthetic | import path
+    strategy: str = "mixture"
+    sources: tuple[SourceSpec, ...] = (SourceSpec(),)  # mixture: the token stores, mixed by weight
+    stages: tuple[StageSpec, ...] = ()  # sequential: the stages, in order
+    prefetch: int = 2  # batches prepared ahead of the step that needs them
+    num_threads: int = 2  # threads preparing batches (grain's read threads)
     # Packed rows carry segment ids and per-document positions: attention stops at each
     # end-of-document token, positions restart, and no target crosses a document boundary.
     document_mask: bool = False
@@ -250,15 +273,18 @@ class DataSpec(_Frozen):
 
 @dataclass(frozen=True)
 class OptimizerSpec(_Frozen):
-    name: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    momentum: float = 0.9
-    nesterov: bool = False
-    clip_norm: Optional[float] = 1.0
+    """optimizer: chosen with optimizer=NAME (conf/optimizer/NAME.yaml); each optimizer uses the
+    settings that apply to it."""
+
+    name: str = "adamw"  # registered optimizer (runner.optim.optimizers) or import path; optimizer=NAME sets it
+    lr: float = 3e-3  # the peak learning rate; the group's own is job.lr's entry for its optimizer
+    weight_decay: float = 0.1  # decoupled decay (sgd: added to the gradient); never on norms, biases, embeddings
+    b1: float = 0.9  # adamw, lion: the first moment's decay; muon: its Adam half's
+    b2: float = 0.95  # adamw: the second moment's decay; lion: its momentum's; muon: its Adam half's
+    eps: float = 1e-8  # adamw, muon: added to the denominator
+    momentum: float = 0.9  # sgd: momentum (0: none); muon: Muon's momentum
+    nesterov: bool = False  # sgd, muon: Nesterov momentum
+    clip_norm: Optional[float] = 1.0  # gradients are first clipped to this global norm; null: no clipping
     state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored
 
     def check(self, spec: ExecutionSpec) -> None:
@@ -267,8 +293,11 @@ class OptimizerSpec(_Frozen):
 
 @dataclass(frozen=True)
 class ScheduleSpec(_Frozen):
-    name: str = "cosine"
-    warmup_steps: int = 50
+    """schedule: the learning rate over the steps, chosen with schedule=NAME
+    (conf/schedule/NAME.yaml)."""
+
+    name: str = "cosine"  # registered schedule (runner.optim.schedules) or import path; schedule=NAME sets it
+    warmup_steps: int = 50  # a linear warmup from 0 to optimizer.lr over these steps (at most train.steps)
     final_lr_fraction: float = 0.1  # final learning rate as a fraction of optimizer.lr
     decay_fraction: float = 0.2  # wsd only: share of the steps spent decaying
 
@@ -281,11 +310,13 @@ class ScheduleSpec(_Frozen):
 
 @dataclass(frozen=True)
 class TrainSpec(_Frozen):
-    steps: int = 300
+    """train: how long, how big a batch, and when a launch stops early."""
+
+    steps: int = 300  # optimizer steps of the whole run, over all its launches
     batch_size: int = 32  # global, in sequences, per optimizer step
     accumulate_steps: int = 1  # micro-batches per step
-    seq_len: int = 128
-    log_every: int = 10
+    seq_len: int = 128  # tokens per sequence (row); at most job.model.context_length
+    log_every: int = 10  # steps between metric records (metrics.jsonl, wandb, the progress line)
     time_limit_minutes: float = 0.0  # stop cleanly (checkpoint, exit 75) shortly before this; 0: none
     time_limit_margin_s: float = 30.0  # room kept for the final save
     max_steps_this_launch: int = 0  # run this many more steps, then checkpoint and exit 75; 0: no limit
@@ -361,6 +392,8 @@ def evaluator_spec(entry: Any, key: str) -> EvaluatorSpec:
 
 @dataclass(frozen=True)
 class GuardSpec(_Frozen):
+    """guard: what a step with a non-finite or spiking loss does."""
+
     nonfinite: str = "stop"  # a NaN/Inf loss or grad norm: stop (save last good state) | skip | off
     max_consecutive_skips: int = 10  # more skipped steps in a row than this stops the run
     spike_factor: float = 0.0  # skip steps whose loss exceeds this times the rolling mean; 0: off
@@ -377,6 +410,8 @@ class GuardSpec(_Frozen):
 
 @dataclass(frozen=True)
 class DebugSpec(_Frozen):
+    """debug: help for finding a problem: one batch overfitted, a profiler trace, per-layer norms."""
+
     overfit_batch: bool = False  # train on the first batch over and over; the loss must approach 0
     profile_start: int = -1  # first step of a jax.profiler trace written to <run.dir>/profile
     profile_steps: int = 0  # steps the trace covers (0: no trace)
@@ -388,8 +423,12 @@ class DebugSpec(_Frozen):
 
 @dataclass(frozen=True)
 class EvalSpec(_Frozen):
-    every: int = 100  # steps; 0 evaluates only at the end
-    batch_size: int = 32
+    """eval: what is evaluated, how often and on how many rows; mode=eval evaluates a checkpoint
+    with it."""
+
+    # steps between evaluations, besides one at step 0 of a fresh run and one at the end; 0: only those two
+    every: int = 100
+    batch_size: int = 32  # rows per evaluation batch, over all processes
     rows: int = 64  # validation windows per source, the same ones every time
     # Names (registered or import paths) or {name: ..., <EvaluatorSpec settings>} mappings; each
     # becomes an EvaluatorSpec. Typed Any because OmegaConf has no str-or-dataclass union.
@@ -416,8 +455,8 @@ class LocalCheckpointSpec(_Frozen):
     /dev/shm), saved more often than the durable tier in run.dir (runner.checkpoint.local_tier)."""
 
     dir: str = ""  # a local path on every host; empty: no local tier
-    every_steps: int = 0  # 0: no step-based local saves
-    every_minutes: float = 0.0  # 0: no time-based local saves
+    every_steps: int = 0  # steps between local saves; 0: no step-based local saves
+    every_minutes: float = 0.0  # minutes between local saves; 0: no time-based local saves
     keep: int = 2  # newest K local checkpoints kept per process
     keep_best = 0  # (not a setting: the save policy's best-K, which only the durable tier has)
 
@@ -434,11 +473,14 @@ class LocalCheckpointSpec(_Frozen):
 
 @dataclass(frozen=True)
 class CheckpointSpec(_Frozen):
-    every_steps: int = 100  # 0: no step-based saves
-    every_minutes: float = 0.0  # 0: no time-based saves
-    keep: int = 3  # newest K are kept
-    keep_every: int = 0  # and every P-th step permanently (0: none)
-    async_save: bool = True
+    """checkpoint: when the durable tier (run.dir) saves and what it keeps; `local` is the fast
+    tier."""
+
+    every_steps: int = 100  # steps between saves to run.dir; 0: no step-based saves
+    every_minutes: float = 0.0  # minutes between saves to run.dir; 0: no time-based saves
+    keep: int = 3  # the newest K checkpoints are kept
+    keep_every: int = 0  # and every P-th step's permanently (0: none)
+    async_save: bool = True  # write checkpoints in the background while training goes on
     on_damaged: str = "fallback"  # fallback to the previous complete checkpoint, or stop
     allow_data_change: bool = False  # resume a run although its data fingerprint changed
     keep_best: int = 0  # also keep the K checkpoints with the best best_metric (0: off)
@@ -460,10 +502,12 @@ class CheckpointSpec(_Frozen):
 
 @dataclass(frozen=True)
 class LoggingSpec(_Frozen):
-    wandb: str = "offline"  # offline | online | disabled
-    project: str = "runner"
-    entity: Optional[str] = None
-    progress: str = "auto"  # auto | rich | plain | none
+    """logging: where metrics go besides <run.dir>/metrics.jsonl, and the progress display."""
+
+    wandb: str = "offline"  # wandb's mode: offline (files only, sync later) | online | disabled
+    project: str = "runner"  # the wandb project
+    entity: Optional[str] = None  # the wandb entity (user or team); null: wandb's default
+    progress: str = "auto"  # the progress display: auto (rich on a terminal, else plain) | rich | plain | none
     tensorboard: bool = False  # also write every scalar as TensorBoard events under <run.dir>/tensorboard
 
     def check(self, spec: ExecutionSpec) -> None:
@@ -472,9 +516,11 @@ class LoggingSpec(_Frozen):
 
 @dataclass(frozen=True)
 class DistributedSpec(_Frozen):
-    coordinator_address: Optional[str] = None
-    num_processes: Optional[int] = None
-    process_id: Optional[int] = None
+    """distributed: how the JAX processes of a run find each other (runner.parallel.distributed)."""
+
+    coordinator_address: Optional[str] = None  # HOST:PORT of process 0; null: JAX_COORDINATOR_ADDRESS or auto-detected
+    num_processes: Optional[int] = None  # JAX processes in the run; null: JAX_NUM_PROCESSES or auto-detected
+    process_id: Optional[int] = None  # this process's index, from 0; null: JAX_PROCESS_ID or auto-detected
     heartbeat_timeout_s: int = 60  # a process silent this long is dead: the others exit non-zero
     stop_check_every: int = 10  # steps between cross-process checks for a stop request (SIGTERM)
 
@@ -489,8 +535,11 @@ class DistributedSpec(_Frozen):
 
 @dataclass(frozen=True)
 class RunSpec(_Frozen):
-    root: str = "runs"
-    dir: str = ""  # empty: derived from the job and the overrides
+    """run: the run's directory, what it starts from, its sweep, compilation cache and watchdog."""
+
+    root: str = "runs"  # derived run directories are <root>/<job>/<overrides>; sweeps go under <root>/sweeps
+    # the run's directory (checkpoints, metrics), local or gs://; empty: derived from the job and the overrides
+    dir: str = ""
     init_from: str = ""  # warm start a new run from another run's (or a step's) checkpoint
     init_mode: str = "params"  # params: fresh optimizer at step 0 | full: the whole state
     sweep: str = ""  # the sweep's name (empty: derived from its command line); members only
@@ -517,9 +566,11 @@ class ExecutionSpec(_Frozen):
     """The whole run, as one immutable value; saved with every checkpoint."""
 
     job: JobSpec = field(default_factory=JobSpec)
+    # the hardware: auto (what JAX sees) | cpu-N | gpu-N, h100-N, h200-N, a100-N | a Cloud TPU slice such
+    # as v4-32 or 2xv5p-256 (runner.parallel.topology)
     topology: str = "auto"
-    mode: str = "train"
-    seed: int = 0
+    mode: str = "train"  # what the command does: train | eval | compile (MODES)
+    seed: int = 0  # seeds the parameters' initialisation and the order of the data
     mesh: MeshSpec = field(default_factory=MeshSpec)
     data: DataSpec = field(default_factory=DataSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)

@@ -91,7 +91,7 @@ def task_yaml(args: argparse.Namespace) -> str:
     envs = "\n".join(f"  {name}: null  # given at launch: sky jobs launch ... --env {name}" for name in args.env)
     accelerator_args = ("\n  accelerator_args:\n    runtime_version: " + args.runtime_version
                         if platform == "tpu" and args.runtime_version else "")
-    return f"""# Written by tools/sky_task.py; launch with `sky jobs launch THIS.yaml` (README: Launching > SkyPilot).
+    return f"""# Written by tools/sky_task.py; launch with `sky jobs launch THIS.yaml` (docs/launching.md, SkyPilot).
 name: {args.name}
 workdir: {yaml_str(str(args.workdir))}
 num_nodes: {args.nodes}

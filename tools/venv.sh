@@ -10,10 +10,11 @@
 #   bash tools/venv.sh cuda            + the GPU plugin of the pinned jax (CUDA 12 wheels; cuda13 for 13)
 #   bash tools/venv.sh tpu             + libtpu: train on a TPU VM, or mode=compile for TPU topologies
 #   bash tools/venv.sh sky             the SkyPilot client in .venv-sky (its pins clash with runner's); test adds it
+#   bash tools/venv.sh docs            + mkdocs and mkdocs-material: build the docs site (mkdocs.yml); test has them
 #   bash tools/venv.sh --system-jax    use the jax the chosen Python already has (an NVIDIA or TPU
 #                                      container's): the venv sees its packages and pins that jax
 #
-# Other extras by name: lm_eval, optuna, slurm, ray, sky, bench (pyproject.toml). Where it looks for Python,
+# Other extras by name: lm_eval, optuna, slurm, ray, sky, bench, docs (pyproject.toml). Where it looks for Python,
 # in order: $RUNNER_PYTHON, python3.12, python3.13, python3, python on PATH, then pyenv's versions
 # (~/.pyenv/versions/3.1x.y). A pyenv shim for a version that is installed but not selected fails
 # its version check and is skipped, so the version itself is found next.
@@ -29,11 +30,11 @@ for arg in "$@"; do
     case "$arg" in
         test) extras+=(test tpu); sky=1 ;;
         sky) sky=1 ;;
-        cuda|cuda13|tpu|lm_eval|optuna|slurm|ray|bench) extras+=("$arg") ;;
+        cuda|cuda13|tpu|lm_eval|optuna|slurm|ray|bench|docs) extras+=("$arg") ;;
         --system-jax) system_jax=1 ;;
         *)
             echo "error: tools/venv.sh does not know '$arg'. Fix: name extras from test, cuda, cuda13, tpu," \
-                 "lm_eval, optuna, slurm, ray, sky, bench, and/or --system-jax (e.g. 'bash tools/venv.sh test')." >&2
+                 "lm_eval, optuna, slurm, ray, sky, bench, docs, and/or --system-jax (e.g. 'bash tools/venv.sh test')." >&2
             exit 2 ;;
     esac
 done

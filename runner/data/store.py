@@ -48,7 +48,7 @@ ZARR_CHUNK_TOKENS = 1 << 14
 ZARR_MAX_TOKENS = 1 << 48  # arrays are created this long, then cut to the real length at the end
 ZARR_CACHE_BYTES = 1 << 28  # tensorstore chunk cache per opened zarr3 store
 PREPARE_HINT = (
-    "prepare one with `python -m runner.data.prepare INPUT... --output PATH` (see README, Data), "
+    "prepare one with `python -m runner.data.prepare INPUT... --output PATH` (see docs/data.md), "
     "or use the path `default` for the embedded corpus"
 )
 

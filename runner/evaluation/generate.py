@@ -81,6 +81,8 @@ def generate_tokens(apply_fn: Callable[..., Any], variables: Any, prompt: jax.Ar
 
 @EVALUATORS.register("generate")
 class Generate(EvaluatorBase):
+    """Samples: the model continues each of `prompts`; the text is logged, not scored."""
+
     name = "generate"
     metrics = ("new_tokens",)
     default_label = "generate"

@@ -39,6 +39,8 @@ def _lm_eval_installed() -> bool:
 
 @EVALUATORS.register("lm_eval")
 class LmEval(EvaluatorBase):
+    """lm-evaluation-harness tasks (`tasks`, local data only), scored in the loop and in mode=eval."""
+
     name = "lm_eval"
     metrics = ("*",)  # <task>/<metric>, per task
     default_label = "lm_eval"

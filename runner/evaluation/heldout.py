@@ -25,6 +25,8 @@ from runner.spec import EvaluatorSpec, ExecutionSpec
 
 @EVALUATORS.register("heldout")
 class HeldOutLoss(EvaluatorBase):
+    """Held-out loss, perplexity, bits per byte and next-token accuracy on each validation source."""
+
     name = "heldout"
     metrics = ("*/loss", "*/perplexity", "*/accuracy", "*/bits_per_byte", "*/bits_per_token")
 

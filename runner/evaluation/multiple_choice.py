@@ -104,6 +104,8 @@ def accuracies(loglikelihoods: Sequence[Sequence[float]], choices: Sequence[Sequ
 
 @EVALUATORS.register("multiple_choice")
 class MultipleChoice(EvaluatorBase):
+    """Multiple-choice accuracy by log-likelihood on a local JSONL file (`path`), as lm-eval scores it."""
+
     name = "multiple_choice"
     metrics = ("acc", "acc_norm", "questions")
 

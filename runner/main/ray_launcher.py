@@ -193,7 +193,7 @@ def scaling(spec: Any, settings: RaySettings) -> tuple[dict[str, Any], int]:
         if topology.num_slices > 1:
             raise UserError(f"topology={spec.topology} under hydra/launcher=ray: Ray Train's JaxTrainer reserves one "
                             "TPU slice. Fix: train on one slice under Ray, or launch several slices with "
-                            "tools/launch_tpu.py or SkyPilot (README: Launching).")
+                            "tools/launch_tpu.py or SkyPilot (docs/launching.md).")
         hosts = settings.hosts or topology.num_hosts
         if hosts != topology.num_hosts:
             raise UserError(f"Invalid config `hydra.launcher.hosts={settings.hosts}`: topology={spec.topology} has "

@@ -45,6 +45,7 @@ def segment_mask(segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
 @ATTENTION.register("xla")
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
                   kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
+    """XLA's attention (jax.nn.dot_product_attention): runs on every platform, the score matrix in memory."""
     return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True,
                                         implementation="xla")
 
@@ -94,6 +95,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opti
                          check_vma=False)(q, k, v, segment_ids)
 
 
+# The splash kernel run by the Pallas interpreter: what splash means on a CPU; exact but slow, for tests.
 ATTENTION.register("splash_interpret")(functools.partial(splash_attention, interpret=True))
 
 

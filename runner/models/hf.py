@@ -354,9 +354,10 @@ def read_hf_config(init_from: str, config: Mapping[str, Any], rules: Mapping[str
         try:
             if rule is None:
                 raise Refused("runner does not know that field, so it cannot tell whether it changes the model.",
-                              f"the fields of transformers' {full.get('model_type')} config it declares (README, "
-                              "Hugging Face)", "import a model of a supported architecture; if you know the field "
-                              "cannot change the model, delete it from config.json.")
+                              f"the fields of transformers' {full.get('model_type')} config it declares "
+                              "(docs/huggingface.md)",
+                              "import a model of a supported architecture; if you know the field cannot change the "
+                              "model, delete it from config.json.")
             settings.update(rule(value, full, model))
         except Refused as refusal:
             raise HFConfigError(init_from, field, value, refusal) from None

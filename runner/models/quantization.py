@@ -55,8 +55,9 @@ class Format:
 
 
 FORMATS: Registry[Format] = Registry("quantization format", "job.model.quantization", allow_import_paths=False)
-FORMATS.register("none")(Format("none", None, None))
-FORMATS.register("int8")(Format("int8", jnp.int8, jnp.int8))
+FORMATS.register("none")(Format("none", None, None))  # no quantization: every matmul in job.model.compute_dtype
+FORMATS.register("int8")(Format("int8", jnp.int8, jnp.int8))  # int8 operands, forward and backward
+# float8: e4m3 operands forward, e5m2 in the gradient matmuls (quantization_scaling=auto: per tensor)
 FORMATS.register("fp8")(Format("fp8", jnp.float8_e4m3fn, jnp.float8_e5m2, "tensor"))
 
 # A family's table of what each scope quantizes (its ``QUANTIZED``): scope -> (module path regex,

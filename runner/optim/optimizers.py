@@ -77,6 +77,7 @@ def _mask(settings: OptimizerSettings) -> Callable[[Any], Any] | None:
 
 @OPTIMIZERS.register("adamw")
 def adamw(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> optax.GradientTransformation:
+    """AdamW (optax.adamw): Adam with decoupled weight decay."""
     return optax.adamw(learning_rate, b1=settings.b1, b2=settings.b2, eps=settings.eps,
                        weight_decay=settings.weight_decay, mask=_mask(settings))
 
@@ -101,6 +102,7 @@ def adafactor(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings
 
 @OPTIMIZERS.register("lion")
 def lion(learning_rate: optax.ScalarOrSchedule, settings: OptimizerSettings) -> optax.GradientTransformation:
+    """Lion (optax.lion): the sign of an interpolated momentum; use a 3-10x smaller learning rate than AdamW."""
     return optax.lion(learning_rate, b1=settings.b1, b2=settings.b2,
                       weight_decay=settings.weight_decay, mask=_mask(settings))
 

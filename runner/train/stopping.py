@@ -72,7 +72,8 @@ class StopConditions:
         local reasons are combined every `distributed.stop_check_every` steps (a tiny allgather),
         not every step."""
         launch_limit = self.spec.train.max_steps_this_launch
-        if launch_limit and step - self.start_step >= launch_limit:  # the same step on every host
+        # the same step on every host; a limit that falls on the last step lets the run finish
+        if launch_limit and step - self.start_step >= launch_limit and step < self.spec.train.steps:
             return f"the step limit for this launch (train.max_steps_this_launch={launch_limit})"
         if processes == 1:
             return self._local(step, step_seconds)

@@ -48,23 +48,37 @@ def test_an_unknown_local_tier_setting_is_refused() -> None:
 
 
 def test_a_failed_local_save_removes_only_its_own_leftovers(tmp_path) -> None:
-    """In-process: steps 10 and 12 committed, then the partial files of a failed save of step 1
-    (an orbax temporary directory and an uncommitted step directory) are removed; 10 and 12 stay
-    and restore."""
+    """In-process: steps 10 and 12 committed, then the save of step 14 fails after writing part of
+    itself (an orbax temporary directory and an uncommitted step directory, as a disk that fills
+    mid-save leaves them): it is warned about once and skipped, its partial files are removed, and
+    10 and 12 stay and restore."""
+    import errno
+
     import jax.numpy as jnp
 
     from runner.checkpoint.checkpointer import abstract_like
     from runner.checkpoint.local_tier import LocalTier
     from runner.spec import LocalCheckpointSpec
 
-    tier = LocalTier(LocalCheckpointSpec(dir=str(tmp_path), every_steps=2, keep=3), "run-x", "1proc-y", async_save=False)
+    warned: list[str] = []
+    tier = LocalTier(LocalCheckpointSpec(dir=str(tmp_path), every_steps=2, keep=3), "run-x", "1proc-y",
+                     async_save=False, warn=warned.append)
     state = {"w": jnp.arange(6.0), "step": jnp.asarray(0)}
     for step in (10, 12):
         assert tier.save(step, {**state, "step": jnp.asarray(step)}, {"step": step})
-    (tier.directory / "1.orbax-checkpoint-tmp-123" / "state").mkdir(parents=True)
-    (tier.directory / "1" / "state").mkdir(parents=True)
-    tier._discard(1)
+    real_save = tier.manager.save
+
+    def fills_the_disk(step: int, *args: object, **kwargs: object) -> None:
+        (tier.directory / f"{step}.orbax-checkpoint-tmp-123" / "state").mkdir(parents=True)
+        (tier.directory / str(step) / "state").mkdir(parents=True)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tier.manager.save = fills_the_disk
+    assert not tier.save(14, {**state, "step": jnp.asarray(14)}, {"step": 14})
+    assert tier.skipped == 1 and len(warned) == 1 and "saving step 14 failed" in warned[0]
+    assert "No space left on device" in warned[0] and "training continues" in warned[0]
     assert sorted(p.name for p in tier.directory.iterdir()) == ["10", "12"]
+    tier.manager.save = real_save
     meta = tier.read_meta(12)
     assert meta["step"] == 12 and meta["tier"] == "local" and set(meta["checksums"]) == {"['step']", "['w']"}
     restored = tier.restore(12, abstract_like(state), meta)

@@ -57,15 +57,17 @@ def outputs_and_grads(impl: str, q, k, v, segments):
 @pytest.mark.parametrize("kv_heads", [2, 1])  # grouped, multi-query (multi-head: the GPT loss test)
 def test_every_implementation_agrees_with_xla_with_segments(impl: str, kv_heads: int) -> None:
     q, k, v, segments = qkv_and_segments(kv_heads=kv_heads)
-    want, want_grads = outputs_and_grads("xla", q, k, v, segments)
-    got, got_grads = outputs_and_grads(impl, q, k, v, segments)
+    with jax.default_matmul_precision("float32"):  # a GPU's XLA would otherwise multiply float32 in TF32
+        want, want_grads = outputs_and_grads("xla", q, k, v, segments)
+        got, got_grads = outputs_and_grads(impl, q, k, v, segments)
     np.testing.assert_allclose(got, want, atol=TOL)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, atol=TOL)
     # The segments matter here (an implementation that ignored them would fail above).
-    unsegmented = attention.attend("xla", q, k, v, None)
-    assert float(jnp.max(jnp.abs(unsegmented - want))) > 0.1
-    np.testing.assert_allclose(attention.attend(impl, q, k, v, None), unsegmented, atol=TOL)
+    with jax.default_matmul_precision("float32"):
+        unsegmented = attention.attend("xla", q, k, v, None)
+        assert float(jnp.max(jnp.abs(unsegmented - want))) > 0.1
+        np.testing.assert_allclose(attention.attend(impl, q, k, v, None), unsegmented, atol=TOL)
 
 
 @pytest.mark.skipif(not GPU, reason="cuDNN attention needs an NVIDIA GPU")
@@ -187,8 +189,10 @@ MODELS = {
                                                              n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
                                                              attention=impl, compute_dtype=dtype)),
 }
-# (implementation, compute dtype, relative tolerance of a row's summed loss): cuDNN in bfloat16.
-PACKED = [(i, "float32", 1e-3) for i in HERE_IMPLS] + ([("cudnn", "bfloat16", 2e-2)] if GPU else [])
+# (implementation, compute dtype, relative tolerance of a row's summed loss): float32 sums agree to
+# about 1e-7 (this CPU and an H200); cuDNN in bfloat16 against XLA's per-document bfloat16 losses to
+# 5.4e-6 on an H200 (0.0019 of 344), while dropping the segments moves the sum by 0.10 to 0.56.
+PACKED = [(i, "float32", 1e-6) for i in HERE_IMPLS] + ([("cudnn", "bfloat16", 2e-5)] if GPU else [])
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -210,9 +214,11 @@ def test_packed_row_loss_is_the_sum_of_its_documents_losses(family: str, impl: s
         start += len(doc)
         if len(piece) > 1:  # predictions inside the document: every token but its last
             alone.append(float(jnp.sum(row_losses(MODELS[family]("xla", dtype), params, piece))))
-    assert abs(packed_sum - sum(alone)) < tol * max(1.0, abs(packed_sum)), (packed_sum, sum(alone))
+    allowed = tol * max(1.0, abs(packed_sum))
+    assert abs(packed_sum - sum(alone)) < allowed, (packed_sum, sum(alone), allowed)
     without = float(jnp.sum(row_losses(model, params, row) * packed["mask"]))
-    assert abs(without - packed_sum) > 1e-2  # without segments the documents see each other
+    # without segments the documents see each other: a difference far outside the tolerance
+    assert abs(without - packed_sum) > 5 * allowed, (without, packed_sum, allowed)
 
 
 def test_precision_knobs_store_parameters_and_optimizer_state_as_asked() -> None:

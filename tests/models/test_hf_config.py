@@ -139,8 +139,8 @@ def test_a_near_empty_config_json_still_sets_every_structural_setting(model_type
     assert STRUCTURAL[kind] <= set(settings)
     reference = CONFIGS[model_type]()
     if model_type != "gpt2":
-        assert settings["head_dim"] == getattr(reference, "head_dim", None) or \
-            reference.hidden_size // reference.num_attention_heads
+        head_dim = getattr(reference, "head_dim", None) or reference.hidden_size // reference.num_attention_heads
+        assert settings["head_dim"] == head_dim
         assert settings["d_ff"] == reference.intermediate_size and settings["norm_eps"] == reference.rms_norm_eps
         assert settings["n_kv_heads"] == (reference.num_key_value_heads or reference.num_attention_heads)
     if kind == "moe":

@@ -426,6 +426,34 @@ def test_the_selection_bias_is_state_that_moves_toward_even_load_and_never_gets_
     assert ((change > 0).sum(axis=1) >= 2).all()  # the other three share the other half: two at least are idle
 
 
+def test_under_accumulation_the_bias_moves_by_the_mean_of_the_micro_batches_updates() -> None:
+    """train.accumulate_steps=2: the router bias after the step is the mean of what each
+    micro-batch's own step would have made it (so an expert busy in one half and idle in the other
+    keeps its bias), not the last micro-batch's."""
+    import optax
+
+    from runner.models.llama import Llama
+    from runner.train.state import create_state
+    from runner.train.steps import train_step
+
+    cfg = moe_config(bias_update_rate=0.01)
+    inputs = packed_inputs()
+    state = create_state(Llama(cfg), optax.adam(1e-2), jax.random.PRNGKey(0), (inputs["tokens"],))
+    halves = [{"x": tokens[None], "y": tokens[None], "mask": (inputs["segment_ids"] > 0)[None],
+               "segment_ids": inputs["segment_ids"][None], "positions": inputs["positions"][None]}
+              for tokens in (inputs["tokens"], (inputs["tokens"] * 7 + 5) % 64)]
+    step = jax.jit(train_step, static_argnums=3)
+
+    def bias(new: object) -> np.ndarray:
+        return np.asarray(new.model_state["blocks"]["moe"]["router_bias"])
+
+    alone = [bias(step(state, half, jax.random.PRNGKey(1), 1)[0]) for half in halves]
+    assert not np.array_equal(alone[0], alone[1])  # the halves load the experts differently
+    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *halves)
+    np.testing.assert_allclose(bias(step(state, both, jax.random.PRNGKey(1), 2)[0]), (alone[0] + alone[1]) / 2,
+                               atol=1e-7)
+
+
 def test_megablox_s_grouped_matmul_equals_ragged_dot_forward_and_gradients() -> None:
     """dispatch gmm (auto on TPU): megablox's kernel, run here by its interpreter, against
     ragged_dot, rows past the groups' sum included (they come out zero and take no gradient)."""
@@ -489,9 +517,10 @@ def test_moe_tiny_learns_with_balanced_experts(tmp_path) -> None:
 
 @pytest.mark.e2e
 def test_an_moe_run_with_accumulation_document_masks_and_splash_evaluates_the_same_in_mode_eval(tmp_path) -> None:
-    """Gradient accumulation (the bias update is the micro-batches' mean), document masking and
-    splash attention (interpreted on a CPU) in one MoE run; mode=eval restores the router's
-    selection bias with the parameters and gives the run's own final evaluation."""
+    """Gradient accumulation, document masking and splash attention (interpreted on a CPU) in one
+    MoE run with a selection bias, through `python -m runner`; mode=eval restores the router's
+    bias with the parameters and gives the run's own final evaluation. (The bias's update under
+    accumulation: the in-process test above.)"""
     import json
 
     args = [*MOE_RUN, "job.model.moe.bias_update_rate=0.01", "train.accumulate_steps=2", "data.document_mask=true",

@@ -239,6 +239,20 @@ def test_stop_requests_use_the_time_limit_by_the_clock(tmp_path: Path) -> None:
     assert ending.stop and "time limit" in ending.stop and ending.step == 6
 
 
+@pytest.mark.parametrize("start, limit, ending_step, stopped", [(0, 4, 4, True), (4, 4, 8, True), (4, 6, 10, False),
+                                                                  (8, 2, 10, False)])
+def test_the_launch_step_limit_stops_short_of_the_last_step_only(tmp_path: Path, start: int, limit: int,
+                                                                  ending_step: int, stopped: bool) -> None:
+    """train.max_steps_this_launch: a launch that reaches train.steps within its limit finishes the
+    run (final evaluation, exit 0) instead of stopping resumably at the last step."""
+    spec = ExecutionSpec(train=TrainSpec(steps=10, max_steps_this_launch=limit, stop_file=""))
+    h = holder()
+    h.step = start
+    ending = Loop(h, fake_step, itertools.count(1), [StopRequests(StopConditions(spec, tmp_path, start))],
+                  total=10).run()
+    assert ending.step == ending_step and bool(ending.stop) is stopped, ending
+
+
 def test_a_stop_file_that_cannot_be_looked_for_is_no_stop_request(tmp_path: Path) -> None:
     """A bucket answering 503 to the stop file's probe: a warning, once; training goes on, and a
     stop file that can be seen again is honoured."""

@@ -198,9 +198,9 @@ def test_resume_on_another_mesh_reshards(tmp_path, reference) -> None:
     got = losses(tmp_path / "run")
     assert sorted(got) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], [ref[s] for s in range(1, STEPS + 1)],
-                               rtol=2e-3)  # same data order; only float summation order differs
+                               rtol=1e-5)  # same data order; only float summation order differs (3e-7 seen)
     for a, b in zip(params_of(tmp_path / "run", STEPS), params_of(reference, STEPS)):
-        np.testing.assert_allclose(a, b, atol=2e-3)
+        np.testing.assert_allclose(a, b, atol=1e-4)  # 2e-5 seen after 24 AdamW steps
 
 
 def test_unwritable_run_dir_is_a_clear_error(tmp_path) -> None:

@@ -169,8 +169,14 @@ def test_a_last_step_found_only_in_the_local_tier_is_saved_durably_once(tmp_path
     second.close()
     assert second.checkpointer.steps() == [2]
     assert "had reached step 2 (train.steps=2), but that step was only in the local tier" in capsys.readouterr().out
+    durable = tmp_path / "run" / "checkpoints"
+    written = {p: p.stat().st_mtime_ns for p in durable.rglob("*")}
+    assert any(p.name == "2" for p in written)
     third = launch()
     assert third.restored_tier == "local" and third.done  # (the local copy is as new as the durable one)
     third.finished_already()
     third.close()
-    assert "already finished at step 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already finished at step 2" in out and "only in the local tier" not in out
+    assert third.checkpointer.steps() == [2]
+    assert {p: p.stat().st_mtime_ns for p in durable.rglob("*")} == written  # not saved a second time
