@@ -570,7 +570,7 @@ class ExecutionSpec(_Frozen):
     # as v4-32 or 2xv5p-256 (runner.parallel.topology)
     topology: str = "auto"
     mode: str = "train"  # what the command does: train | eval | compile (MODES)
-    seed: int = 0  # seeds the parameters' initialisation and the order of the data
+    seed: int = 0  # seeds the parameters' initialisation, dropout and the order of the data
     mesh: MeshSpec = field(default_factory=MeshSpec)
     data: DataSpec = field(default_factory=DataSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)

@@ -212,7 +212,7 @@ def test_new_key_and_lone_process_count_exit_2_from_the_command_line(tmp_path) -
         assert len(result.stderr.strip().splitlines()) == 1  # one paragraph
 
 
-# The rule (README, `optimizer`): a job states its AdamW rate; Adafactor trains at the same, Lion at a
+# The rule (docs/command.md, Learning rates): a job states its AdamW rate; Adafactor trains at the same, Lion at a
 # tenth (Lion's authors: 3-10x smaller); SGD and Muon, whose rates are not on Adam's scale, at their
 # group's own.
 GROUP_LR = {"sgd": 0.1, "muon": 0.02}

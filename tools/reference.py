@@ -668,8 +668,9 @@ def exit_raisers() -> dict[str, list[str]]:
 OTHER_EXITS = (
     "1 also ends a sweep (`-m`) in which a member failed, after its summary table; and an uncaught exception "
     "ends a run with Python's own 1 and a traceback (a bug in runner or in your code).",
-    "A process whose peers stopped answering (`distributed.heartbeat_timeout_s`) is aborted by JAX, with a "
-    "non-zero code that is none of these.",
+    "134 (128 + SIGABRT, in the shell): a process aborted by JAX's coordination service because another "
+    "process of the run died or stopped answering (`distributed.heartbeat_timeout_s`). Resumable: "
+    "`tools/launch_tpu.py --restart` relaunches on it, and Ray's launcher restarts the group.",
     "A process killed by a signal reports 128 + its number in the shell (137: SIGKILL). SIGTERM and SIGINT "
     "are caught while training: the run saves and exits 75.",
     "`python -m runner.data.prepare`, `runner plot` and `python -m runner.export` exit 0, or after one "

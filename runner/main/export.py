@@ -1,4 +1,4 @@
-"""`python -m runner.main.export RUN_DIR_OR_STEP_DIR OUT_DIR`: a runner checkpoint as a Hugging Face
+"""`python -m runner.export RUN_DIR_OR_STEP_DIR OUT_DIR`: a runner checkpoint as a Hugging Face
 model directory that `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads.
 
 It reads the newest complete checkpoint of a run directory (or the step directory named), on
@@ -141,7 +141,7 @@ def _quiet() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.main.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m runner.export", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a run directory, its checkpoints/ directory, or one checkpoints/<step>")
     parser.add_argument("out_dir", help="the Hugging Face model directory to write")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")

@@ -441,7 +441,7 @@ def test_run_objective_must_be_a_metric_the_run_logs(tmp_path: Path) -> None:
     questions = tmp_path / "hella.jsonl"
     questions.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 0}) + "\n")
     with pytest.raises(ConfigError) as info:
-        spec("run.objective=eval/mc/acc")  # the README's example, without its evaluator
+        spec("run.objective=eval/mc/acc")  # docs/sweeps.md's example, without its evaluator
     assert info.value.key == "run.objective" and "multiple_choice" in str(info.value)
     assert "eval/stdlib/loss" in str(info.value)  # what the configured ones log
     for ok in ("eval/stdlib/loss", "eval/stdlib/perplexity", "loss", "mfu", "goodput/percent"):

@@ -116,7 +116,7 @@ def test_every_registered_name_trains(key: str, devices: int, swept) -> None:
 
 
 def test_every_optimizer_and_schedule_has_its_config_group() -> None:
-    """The README offers `optimizer=<name>` and `schedule=<name>`: each needs its conf file."""
+    """The docs (reference/names.md) offer `optimizer=<name>` and `schedule=<name>`: each needs its conf file."""
     for group, registry in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
         for name in registry.names():
             path = ROOT / "conf" / group / f"{name}.yaml"

@@ -175,7 +175,7 @@ def test_the_same_sweep_command_finds_the_same_sweep() -> None:
 
 @pytest.mark.e2e
 def test_rerunning_an_optuna_sweep_finds_its_finished_trials(tmp_path) -> None:
-    """The README's Optuna command, run twice with no seed: the second asks the same trials, finds
+    """docs/sweeps.md's Optuna command, run twice with no seed: the second asks the same trials, finds
     each member finished, and its optimization_results.yaml covers the whole sweep."""
     import yaml
 

@@ -119,7 +119,7 @@ def test_splash_under_a_data_and_tensor_mesh_agrees_with_xla(tmp_path) -> None:
 
 @pytest.mark.e2e
 def test_splash_trains_document_masked_rows_on_a_tensor_mesh_and_cudnn_is_refused_on_a_cpu(tmp_path) -> None:
-    """Through `python -m runner`, as a user would: the README's names end to end."""
+    """Through `python -m runner`, as a user would: docs/speed.md's names end to end."""
     args = ["job=llama_tiny", "train.steps=2", "eval.every=0", "eval.rows=8", "logging.wandb=disabled",
             "data.document_mask=true"]
     proc = run_runner([*args, "job.model.attention=splash", "topology=cpu-4", "mesh.data=2", "mesh.tensor=2",

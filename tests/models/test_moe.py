@@ -502,7 +502,7 @@ def test_dispatch_auto_is_the_platform_s_and_gmm_is_refused_off_tpu() -> None:
 
 @pytest.mark.e2e
 def test_moe_tiny_learns_with_balanced_experts(tmp_path) -> None:
-    """The README's MoE job on the embedded corpus: the eval loss falls, and from step 300 on no
+    """docs/moe.md's tiny job on the embedded corpus: the eval loss falls, and from step 300 on no
     expert of any layer takes more than twice its even share of the token-slots."""
     done = run_runner(["job=moe_tiny", "train.steps=320", "eval.every=320", "checkpoint.every_steps=0",
                        "logging.wandb=disabled", "run.dir=run"], tmp_path)

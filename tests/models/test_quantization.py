@@ -205,7 +205,7 @@ QUANT_RUN = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_
 
 @pytest.mark.e2e
 def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_300_steps(tmp_path) -> None:
-    """The README's bound, on the embedded corpus: after 300 steps the eval loss of the int8 and
+    """docs/speed.md's bound, on the embedded corpus: after 300 steps the eval loss of the int8 and
     fp8 runs is within 0.05 of the bf16 run's (measured: bf16 2.1225, int8 2.1001, fp8 2.1338,
     from 5.78 at step 0)."""
     finals = {}

@@ -292,9 +292,9 @@ def test_auto_on_a_tpu_takes_the_splash_kernel_where_its_tiles_fit_the_shards(ki
 
 @pytest.mark.e2e
 def test_the_long_context_recipe_runs_end_to_end(tmp_path) -> None:
-    """The README's two phases: a short-context run, then a new run warm-started from it at 4x the
-    sequence length with Llama 3's rotary scaling, rows split over mesh.context=2, documents
-    masked, and the held-out evaluation at the long length."""
+    """docs/long-context.md's recipe, its two phases: a short-context run, then a new run
+    warm-started from it at 4x the sequence length with Llama 3's rotary scaling, rows split over
+    mesh.context=2, documents masked, and the held-out evaluation at the long length."""
     short = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_dim=16", "data.document_mask=true",
              "train.steps=20", "checkpoint.every_steps=20", "eval.every=0"]
     first = run_runner([*short, "run.dir=short"], tmp_path)

@@ -23,7 +23,7 @@ BASE = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=8", "checkpoint.k
 
 
 def params_of(run_dir: Path, step: int) -> list[np.ndarray]:
-    """Plain orbax, as the README shows: works whatever topology saved the checkpoint."""
+    """Plain orbax, as docs/run-directory.md shows: works whatever topology saved the checkpoint."""
     import jax
 
     path = (run_dir / "checkpoints" / str(step) / "state").absolute()
