@@ -126,3 +126,19 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     JOBS.get(spec.job.trainer)(spec).run()
     yield spec, run_dir
     mp.undo()
+
+
+# The slowest files first: pytest-xdist hands whole files (`--dist loadfile`) to the two workers in
+# collection order, so the long ones start at once and the short ones fill in behind them, instead
+# of a long file starting last and running alone. tests/durations.json holds each file's seconds
+# on the CI machine (`python tools/suite_durations.py` rewrites it from a run's `--durations=0`); a
+# file not in it counts as DEFAULT_FILE_SECONDS.
+DEFAULT_FILE_SECONDS = 30.0
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    table = ROOT / "tests" / "durations.json"
+    seconds = json.loads(table.read_text()) if table.exists() else {}
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], DEFAULT_FILE_SECONDS),
+                                 item.nodeid.split("::")[0], order[item.nodeid]))

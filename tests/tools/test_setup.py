@@ -48,7 +48,17 @@ def fake_venv(tmp_path: Path, system_site: bool = False) -> Path:
     (venv_bin / "pip").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'pip.log'}\n")
     (venv_bin / "pip").chmod(0o755)
     (tmp_path / ".venv" / "pyvenv.cfg").write_text(f"include-system-site-packages = {str(system_site).lower()}\n")
+    sky_bin = tmp_path / ".venv-sky" / "bin"  # SkyPilot's own venv (`test` adds it): its pip writes sky.log
+    sky_bin.mkdir(parents=True)
+    (sky_bin / "python").symlink_to(venv_bin / "python")
+    (sky_bin / "pip").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'sky.log'}\n")
+    (sky_bin / "pip").chmod(0o755)
     return tmp_path / "pip.log"
+
+
+def sky_installs(tmp_path: Path) -> list[str]:
+    log = tmp_path / "sky.log"
+    return log.read_text().splitlines() if log.exists() else []
 
 
 def set_up(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -63,6 +73,7 @@ def test_the_first_command_installs_training_alone_and_the_second_adds_the_tests
     assert set_up(tmp_path, "test").returncode == 0
     assert set_up(tmp_path, "cuda").returncode == 0
     assert log.read_text().splitlines() == ["install -q -e .", "install -q -e .[test,tpu]", "install -q -e .[cuda]"]
+    assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"]  # in .venv-sky, with `test` only
 
 
 @pytest.mark.e2e
@@ -91,6 +102,7 @@ def test_with_the_system_jax_every_requirement_but_jax_is_installed_against_it(t
     assert first.split()[:4] == ["install", "-q", "-c", first.split()[3]]
     assert first.split()[4:] == [r for r in wanted if not r.startswith(("jax==", "jaxlib=="))]
     assert second == "install -q --no-deps -e ."
+    assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"]
 
 
 def test_the_light_install_holds_no_test_dependency_and_cuda_matches_the_pinned_jax() -> None:
