@@ -129,10 +129,11 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 
 
 # The slowest files first: pytest-xdist hands whole files (`--dist loadfile`) to the two workers in
-# collection order, so the long ones start at once and the short ones fill in behind them, instead
-# of a long file starting last and running alone. tests/durations.json holds each file's seconds
-# on the CI machine (`python tools/suite_durations.py` rewrites it from a run's `--durations=0`); a
-# file not in it counts as DEFAULT_FILE_SECONDS.
+# collection order, so the long ones start at once and the short ones fill in behind them, meant to
+# keep a long file from starting last and running alone (the one CI run with it, 2026-11-26, showed
+# no gain: an A/B on the CI machine is still to do). tests/durations.json holds each file's seconds
+# in a full run on a 2-core machine (`python tools/suite_durations.py` rewrites it from a run's
+# `--durations=0`); a file not in it counts as DEFAULT_FILE_SECONDS.
 DEFAULT_FILE_SECONDS = 30.0
 
 

@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("report", type=Path, help="pytest's output with --durations=0")
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "durations.json")
     args = parser.parse_args(argv)
-    seconds = file_seconds(args.report.read_text())
+    try:
+        report = args.report.read_text()
+    except OSError as err:
+        print(f"error: cannot read the report {args.report} ({err.strerror}): save pytest's output with "
+              "--durations=0 to a file and name it", file=sys.stderr)
+        return 2
+    seconds = file_seconds(report)
     if not seconds:
         print(f"error: no durations in {args.report}: run pytest with --durations=0", file=sys.stderr)
         return 2

@@ -34,6 +34,8 @@ def test_a_durations_report_becomes_each_file_s_seconds_slowest_first(tmp_path: 
     (tmp_path / "empty.txt").write_text("3 passed\n")
     assert tool.main([str(tmp_path / "empty.txt"), "--out", str(tmp_path / "e.json")]) == 2
     assert not (tmp_path / "e.json").exists()
+    assert tool.main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "m.json")]) == 2
+    assert not (tmp_path / "m.json").exists()
 
 
 def test_the_committed_table_names_only_files_that_exist() -> None:
