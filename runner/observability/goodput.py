@@ -84,6 +84,10 @@ class Goodput:
             self.before["train"] = self.before.get("train", 0.0) + self.spent["recomputed"]
         if not saved and lost:  # it died before its first checkpoint: one more launch than any meta says
             self.launches_before = 1
+        # A launch later than the checkpoint's writer may have died before its own save committed
+        # (then the checkpoint undercounts): the lost records say which launch logged them.
+        self.launches_before = max([self.launches_before, *(
+            int(r["goodput/launches"]) for r in lost_steps if "goodput/launches" in r and int(r["step"]) > restored)])
 
     def _mark(self) -> dict[str, float]:
         return {c: self.spent[c] for c in PAUSES}

@@ -9,10 +9,14 @@ RUNNER_FAULT=stall_in_step:N     stop for good as step N is about to be dispatch
 RUNNER_FAULT=wedge_in_step:N     the same, in a native call that holds the interpreter lock, so no
                                  Python thread of this process runs again (a wedged driver)
 RUNNER_FAULT=slow_steps:S        every step takes S seconds more (a run a test can change mid-way)
+RUNNER_FAULT=hold_alone:N        a run of one process waits before step N until it is signalled
+                                 (SIGTERM, SIGINT), then goes on to stop as any signalled run does:
+                                 an elastic group shrunk to one host stays up until it is regrown
 
 `@P` after N limits a fault to process P (`stall_in_step:6@1`); without it every process acts.
-RUNNER_FAULT_ATTEMPT=K limits it to the K-th attempt of a supervisor that restarts the run and says
-which attempt it is in RUNNER_ATTEMPT (the Ray launcher), so the restarted run gets past it.
+`#K` at the end limits it to the K-th attempt of a supervisor that restarts the run and says which
+attempt it is in RUNNER_ATTEMPT (the Ray launcher), so the restarted run gets past it
+(`kill_at_step:6@1#1`). Several faults are separated by commas (`slow_steps:1,hold_alone:16`).
 
 The kill is a real SIGKILL, so nothing gets a chance to clean up, exactly as in a preemption
 without notice. It rides on the loop's components and the callbacks: unset (the normal case),
@@ -29,23 +33,32 @@ from typing import Any, Callable
 
 from runner.train.loop import Component, Loop
 
-_spec = os.environ.get("RUNNER_FAULT", "")
-_event, _, _where = _spec.partition(":")
-_step, _, _process = _where.partition("@")
 
 
-_attempt = os.environ.get("RUNNER_FAULT_ATTEMPT", "")
+def parse(spec: str) -> dict[str, tuple[str, str, str]]:
+    """`event:N@P#K,...` as {event: (N, P, K)} (P empty: every process; K empty: every attempt)."""
+    faults = {}
+    for one in filter(None, (part.strip() for part in spec.split(","))):
+        event, _, where = one.partition(":")
+        where, _, attempt = where.partition("#")
+        step, _, process = where.partition("@")
+        faults[event] = (step, process, attempt)
+    return faults
+
+
+_faults = parse(os.environ.get("RUNNER_FAULT", ""))
 
 
 def armed(event: str, step: int) -> bool:
-    if not (_spec and event == _event and str(step) == _step):
+    if event not in _faults or _faults[event][0] != str(step):
         return False
-    if _attempt and os.environ.get("RUNNER_ATTEMPT", "1") != _attempt:
+    _, process, attempt = _faults[event]
+    if attempt and os.environ.get("RUNNER_ATTEMPT", "1") != attempt:
         return False
-    if _process:
+    if process:
         import jax
 
-        return str(jax.process_index()) == _process
+        return str(jax.process_index()) == process
     return True
 
 
@@ -104,13 +117,32 @@ class SlowSteps(Component):
         time.sleep(self.seconds)
 
 
-def components(wait_for_saves: Callable[[], None]) -> list[Component]:
-    if _event == "kill_at_step":
-        return [KillAtStep(wait_for_saves)]
-    if _event == "slow_steps":
-        return [SlowSteps(float(_step))]
-    return [StallInStep()] if _event in ("stall_in_step", "wedge_in_step") else []
+class HoldAlone(Component):
+    """hold_alone: before step N, a lone process sleeps until a signal is recorded in `signalled`."""
+
+    def __init__(self, signalled: Callable[[], bool]) -> None:
+        self.signalled = signalled
+
+    def before_step(self, loop: Loop, step: int) -> None:
+        if armed("hold_alone", step):
+            import jax
+
+            while jax.process_count() == 1 and not self.signalled():
+                time.sleep(0.1)
+
+
+def components(wait_for_saves: Callable[[], None], signalled: Callable[[], bool]) -> list[Component]:
+    made: list[Component] = []
+    if "kill_at_step" in _faults:
+        made.append(KillAtStep(wait_for_saves))
+    if "slow_steps" in _faults:
+        made.append(SlowSteps(float(_faults["slow_steps"][0])))
+    if "stall_in_step" in _faults or "wedge_in_step" in _faults:
+        made.append(StallInStep())
+    if "hold_alone" in _faults:
+        made.append(HoldAlone(signalled))
+    return made
 
 
 def callbacks() -> list[Any]:
-    return [KillAfterSave()] if _event == "kill_after_save" else []
+    return [KillAfterSave()] if "kill_after_save" in _faults else []

@@ -419,7 +419,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             GuardStop(GuardMonitor(spec.guard)),
             StopRequests(stops),
             Evaluation(self.evaluators, self.eval_every, self._log_eval),
-            *faults.components(self.checkpoints.wait),
+            *faults.components(self.checkpoints.wait, lambda: stops.signal is not None),
             self.checkpoints,
         ]
 

@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from runner.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig, flops_per_token, param_count
+from tests.conftest import xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -295,7 +296,7 @@ def test_forward_on_fake_cpu_mesh() -> None:
     # XLA reads the device count when jax initialises, hence a fresh process.
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }

@@ -502,16 +502,17 @@ def test_dispatch_auto_is_the_platform_s_and_gmm_is_refused_off_tpu() -> None:
 
 @pytest.mark.e2e
 def test_moe_tiny_learns_with_balanced_experts(tmp_path) -> None:
-    """docs/moe.md's tiny job on the embedded corpus: the eval loss falls, and from step 300 on no
-    expert of any layer takes more than twice its even share of the token-slots."""
-    done = run_runner(["job=moe_tiny", "train.steps=320", "eval.every=320", "checkpoint.every_steps=0",
+    """docs/moe.md's tiny job on the embedded corpus: the eval loss falls by more than 2.5 in 160
+    steps, and at steps 150 and 160 no expert of any layer takes more than twice its even share of
+    the token-slots (measured: 5.77 -> 2.49, the busiest 1.49x)."""
+    done = run_runner(["job=moe_tiny", "train.steps=160", "eval.every=160", "checkpoint.every_steps=0",
                        "logging.wandb=disabled", "run.dir=run"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "run")
     evals = [r["eval/stdlib/loss"] for r in records if "eval/stdlib/loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0] - 2.5, evals
-    late = [r for r in records if "moe/load_max" in r and r["step"] >= 300]
-    assert [r["step"] for r in late] == [300, 310, 320]
+    late = [r for r in records if "moe/load_max" in r and r["step"] >= 150]
+    assert [r["step"] for r in late] == [150, 160]
     assert all(r[f"moe/load_max/{i}"] <= 2.0 for r in late for i in range(4)), late
 
 

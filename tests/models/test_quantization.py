@@ -204,14 +204,14 @@ QUANT_RUN = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_
 
 
 @pytest.mark.e2e
-def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_300_steps(tmp_path) -> None:
-    """docs/speed.md's bound, on the embedded corpus: after 300 steps the eval loss of the int8 and
-    fp8 runs is within 0.05 of the bf16 run's (measured: bf16 2.1225, int8 2.1001, fp8 2.1338,
-    from 5.78 at step 0)."""
+def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_150_steps(tmp_path) -> None:
+    """docs/speed.md's bound, on the embedded corpus: after 150 steps the eval loss of the int8 and
+    fp8 runs is within 0.05 of the bf16 run's (measured: bf16 2.4642, int8 2.4734, fp8 2.4862,
+    from 5.78 at step 0; after 300 steps the gaps were as small: 2.1225, 2.1001, 2.1338)."""
     finals = {}
     for fmt in ("none", "int8", "fp8"):
         done = run_runner(["job=llama_tiny", "job.model.compute_dtype=bfloat16", f"job.model.quantization={fmt}",
-                           "train.steps=300", "eval.every=300", "checkpoint.every_steps=0", "logging.wandb=disabled",
+                           "train.steps=150", "eval.every=150", "checkpoint.every_steps=0", "logging.wandb=disabled",
                            f"run.dir={fmt}"], tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         finals[fmt] = [r["eval/stdlib/loss"] for r in read_metrics(tmp_path / fmt) if "eval/stdlib/loss" in r]

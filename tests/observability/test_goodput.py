@@ -55,3 +55,13 @@ def test_a_launch_that_died_before_its_first_checkpoint_still_counts() -> None:
     fresh = Goodput(started=0.0, clock=Clock())
     fresh.carry(None, [], restored=0)
     assert fresh.launches_before == 0 and fresh.recomputed_steps == 0
+
+
+def test_a_launch_lost_after_a_later_checkpoint_than_the_one_restored_is_counted() -> None:
+    """Launch 1 saved step 4; launch 2 resumed from it, logged 5-8 and died before its save of 8
+    committed; launch 3 restores 4 again, whose metadata says one launch: the lost records say two."""
+    g = Goodput(started=0.0, clock=Clock())
+    lost = [{"step": s, "loss": 1.0, "step_time_s": 1.0, "goodput/launches": 2.0} for s in (5, 6, 7, 8)]
+    g.carry({"seconds": {"wall": 10.0}, "launches": 1}, lost, restored=4)
+    assert g.launches_before == 2 and g.recomputed_steps == 4
+    assert g.report(g.totals(data_wait=0.0))["goodput/launches"] == 3

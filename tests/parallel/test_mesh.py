@@ -15,6 +15,7 @@ import pytest
 
 from runner.errors import ConfigError, UserError
 from runner.parallel.mesh import make_mesh, resolve_mesh_shape
+from tests.conftest import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +86,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.mark.e2e
 def test_mesh_on_four_simulated_cpu_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=300)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 DRY_RUN = ROOT / "tools" / "slurm_dry_run.py"
 
@@ -140,7 +142,7 @@ def test_submits_two_processes_to_a_real_slurm(tmp_path: Path) -> None:
     overrides = ["hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=20", *TINY]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNNER_SLURM_")}
     env.update(JAX_PLATFORMS="cpu", WANDB_MODE="offline", RUNNER_CACHE=str(tmp_path / "cache"),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     out = subprocess.run([sys.executable, "-m", "runner", "-m", *overrides], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
