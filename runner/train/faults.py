@@ -34,7 +34,6 @@ from typing import Any, Callable
 from runner.train.loop import Component, Loop
 
 
-
 def parse(spec: str) -> dict[str, tuple[str, str, str]]:
     """`event:N@P#K,...` as {event: (N, P, K)} (P empty: every process; K empty: every attempt)."""
     faults = {}

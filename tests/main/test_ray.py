@@ -51,7 +51,7 @@ def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(t
     assert "ray: finished after 3 attempts (2 restarts)" in out
     assert_bitwise(tmp_path / "run", reference)
     records = [r for r in read_metrics(tmp_path / "run") if "goodput/restarts" in r]
-    assert records[-1]["goodput/restarts"] == 2.0 and records[-1]["goodput/launches"] >= 3
+    assert records[-1]["goodput/restarts"] == 2.0 and records[-1]["goodput/launches"] == 3.0  # lost ones too
     # attempt 3 trains again the steps attempt 2 logged after the checkpoint it resumed from: 5-8
     # when the save of 8 was lost, none when it was not
     assert records[-1]["goodput/recomputed_steps"] == (4.0 if resumed[1] == "4" else 0.0)
