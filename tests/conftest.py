@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in-process model tests (tests/models/test_moe_hf.py: 122 s -> 62 s), but runs the compiled code
 # at half speed; level 1 compiles almost as fast (76 s) and runs as fast as level 2 (llama_tiny,
 # 100 steps: train 6.7 s against 7.6 s), so the processes the tests start, some of which train for
-# hundreds of steps, get level 1. Neither changes what is computed (no fast-math at any level).
+# 150 steps, get level 1. No level changes what is computed (no fast-math at any level).
 IN_PROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
 PROCESS_XLA_FLAGS = "--xla_backend_optimization_level=1"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), IN_PROCESS_XLA_FLAGS]))
