@@ -14,6 +14,13 @@
 #   bash tools/venv.sh --system-jax    use the jax the chosen Python already has (an NVIDIA or TPU
 #                                      container's): the venv sees its packages and pins that jax
 #
+# Installs go through uv (put into .venv by its pip the first time): it resolves the same versions
+# as pip (the test set-up: the same 226 packages, checked with `pip freeze`) in a tenth of the time
+# (3:39 -> 0:23 on 2 cores), downloading in parallel and compiling no bytecode ahead. It is given
+# pip's own settings (pip.conf and PIP_* variables: index-url, extra-index-url, find-links,
+# constraint, no-index, trusted-host, cert), so a mirror pip would use is used. RUNNER_INSTALLER=pip
+# installs with pip itself; so does --system-jax, and so does a machine where uv cannot be had.
+#
 # Other extras by name: lm_eval, optuna, slurm, ray, sky, bench, docs (pyproject.toml). Where it looks for Python,
 # in order: $RUNNER_PYTHON, python3.12, python3.13, python3, python on PATH, then pyenv's versions
 # (~/.pyenv/versions/3.1x.y). A pyenv shim for a version that is installed but not selected fails
@@ -107,6 +114,54 @@ if [ ! -x .venv/bin/python ]; then
     fi
 fi
 
+# pip's settings as uv's flags, one a line: pip takes the last of each key it reads (pip.conf files,
+# then PIP_* variables) and merges every index it is given, as uv does with unsafe-best-match.
+pip_settings_for_uv() {
+    .venv/bin/python -m pip config list 2>/dev/null | .venv/bin/python -c '
+import ast, sys
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+         "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
+settings = {}
+for line in sys.stdin:
+    name, _, value = line.strip().partition("=")
+    settings[name.partition(".")[2]] = ast.literal_eval(value) if value else ""
+print("--index-strategy\nunsafe-best-match")
+for key, flag in flags.items():
+    for value in settings.get(key, "").split():
+        print(f"{flag}\n{value}")
+if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+    print("--no-index")
+if settings.get("cert"):
+    print("cert=" + settings["cert"])
+'
+}
+
+uv=()
+if [ "${RUNNER_INSTALLER:-uv}" = uv ] && [ "$system_jax" = 0 ] && ! sees_system; then
+    if [ -x .venv/bin/uv ] || .venv/bin/pip install -q uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
+        mapfile -t settings < <(pip_settings_for_uv)
+        for setting in "${settings[@]}"; do
+            case "$setting" in
+                cert=*) export SSL_CERT_FILE="${setting#cert=}" ;;
+                *) uv+=("$setting") ;;
+            esac
+        done
+    else
+        echo "tools/venv.sh: uv could not be installed from pip's index; installing with pip (slower)." >&2
+    fi
+fi
+
+# pip install's arguments for the venv whose python is $1, through uv where it is there.
+install_into() {
+    local python="$1"
+    shift
+    if [ "${#uv[@]}" -gt 0 ]; then
+        .venv/bin/uv pip install --python "$python" "${uv[@]}" "$@"
+    else
+        "$(dirname "$python")/pip" install "$@"
+    fi
+}
+
 spec="."
 if [ "${#extras[@]}" -gt 0 ]; then
     spec=".[$(IFS=,; echo "${extras[*]}")]"
@@ -132,7 +187,7 @@ EOF
     .venv/bin/pip install -q -c "$constraints" "${wanted[@]}"
     .venv/bin/pip install -q --no-deps -e .
 elif [ "${#extras[@]}" -gt 0 ] || [ "$sky" = 0 ]; then
-    .venv/bin/pip install -q -e "$spec"
+    install_into .venv/bin/python -q -e "$spec"
 fi
 
 if [ "$sky" = 1 ]; then
@@ -141,5 +196,5 @@ if [ "$sky" = 1 ]; then
     if [ ! -x .venv-sky/bin/python ]; then
         "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv .venv-sky
     fi
-    .venv-sky/bin/pip install -q "skypilot==$SKYPILOT_VERSION"
+    install_into .venv-sky/bin/python -q "skypilot==$SKYPILOT_VERSION"
 fi

@@ -34,10 +34,16 @@ def test_without_a_new_enough_python_the_set_up_says_how_to_get_one(tmp_path: Pa
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / ".venv").exists()
 
 
-def fake_venv(tmp_path: Path, system_site: bool = False) -> Path:
+def logging_tool(path: Path, log: Path) -> None:
+    """A stand-in for pip or uv that only writes down the arguments it was called with."""
+    path.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+    path.chmod(0o755)
+
+
+def fake_venv(tmp_path: Path, system_site: bool = False, uv: bool = True) -> Path:
     """A copy of the set-up script beside pyproject.toml, and a .venv whose python is real (it answers
-    the version check, reads pyproject.toml, and imports this jax) and whose pip only writes down
-    what it was asked to install."""
+    the version check, reads pyproject.toml, reads pip's settings and imports this jax) and whose pip
+    (pip.log) and uv (uv.log, unless `uv` is False) only write down what they were asked to do."""
     (tmp_path / "tools").mkdir()
     shutil.copy(ROOT / "tools" / "venv.sh", tmp_path / "tools" / "venv.sh")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -45,35 +51,62 @@ def fake_venv(tmp_path: Path, system_site: bool = False) -> Path:
     venv_bin.mkdir(parents=True)
     (venv_bin / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     (venv_bin / "python").chmod(0o755)
-    (venv_bin / "pip").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'pip.log'}\n")
-    (venv_bin / "pip").chmod(0o755)
+    logging_tool(venv_bin / "pip", tmp_path / "pip.log")
+    if uv:
+        logging_tool(venv_bin / "uv", tmp_path / "uv.log")
     (tmp_path / ".venv" / "pyvenv.cfg").write_text(f"include-system-site-packages = {str(system_site).lower()}\n")
     sky_bin = tmp_path / ".venv-sky" / "bin"  # SkyPilot's own venv (`test` adds it): its pip writes sky.log
     sky_bin.mkdir(parents=True)
     (sky_bin / "python").symlink_to(venv_bin / "python")
-    (sky_bin / "pip").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'sky.log'}\n")
-    (sky_bin / "pip").chmod(0o755)
+    logging_tool(sky_bin / "pip", tmp_path / "sky.log")
     return tmp_path / "pip.log"
 
 
-def sky_installs(tmp_path: Path) -> list[str]:
-    log = tmp_path / "sky.log"
+def lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def set_up(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def sky_installs(tmp_path: Path) -> list[str]:
+    return lines(tmp_path / "sky.log")
+
+
+# pip's settings as a user's environment gives them (no pip.conf is read: PIP_CONFIG_FILE=/dev/null).
+PIP_SETTINGS = {"PIP_INDEX_URL": "https://mirror.example/simple", "PIP_EXTRA_INDEX_URL": "file:///one file:///two",
+                "PIP_FIND_LINKS": "/wheels", "PIP_CONSTRAINT": "/caps.txt"}
+UV_FLAGS = ("--index-strategy unsafe-best-match --index-url https://mirror.example/simple --extra-index-url file:///one "
+            "--extra-index-url file:///two --find-links /wheels --constraint /caps.txt")
+
+
+def set_up(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     return subprocess.run(["bash", "tools/venv.sh", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
+                          env={**clean, "PIP_CONFIG_FILE": os.devnull, **PIP_SETTINGS, **env})
 
 
 @pytest.mark.e2e
-def test_the_first_command_installs_training_alone_and_the_second_adds_the_tests(tmp_path: Path) -> None:
+def test_the_first_command_installs_training_alone_and_the_second_adds_the_tests_through_uv_with_pips_settings(
+        tmp_path: Path) -> None:
     log = fake_venv(tmp_path)
     assert set_up(tmp_path).returncode == 0
     assert set_up(tmp_path, "test").returncode == 0
     assert set_up(tmp_path, "cuda").returncode == 0
-    assert log.read_text().splitlines() == ["install -q -e .", "install -q -e .[test,tpu]", "install -q -e .[cuda]"]
-    assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"]  # in .venv-sky, with `test` only
+    assert not log.exists()  # uv was there already: pip installs nothing
+    venv = f"pip install --python .venv/bin/python {UV_FLAGS} -q"
+    sky = f"pip install --python .venv-sky/bin/python {UV_FLAGS} -q skypilot==0.14.1"  # with `test` only
+    assert lines(tmp_path / "uv.log") == [f"{venv} -e .", f"{venv} -e .[test,tpu]", sky, f"{venv} -e .[cuda]"]
+
+
+@pytest.mark.e2e
+def test_pip_installs_where_uv_cannot_be_had_or_is_not_wanted(tmp_path: Path) -> None:
+    log = fake_venv(tmp_path, uv=False)  # pip "installs" uv, but no uv appears
+    result = set_up(tmp_path, "test")
+    assert result.returncode == 0 and "uv could not be installed" in result.stderr
+    assert lines(log) == ["install -q uv", "install -q -e .[test,tpu]"]
+    assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"]
+    (tmp_path / ".venv" / "bin" / "uv").write_text("#!/bin/sh\nexit 1\n")  # uv there, but pip asked for by name
+    (tmp_path / ".venv" / "bin" / "uv").chmod(0o755)
+    assert set_up(tmp_path, "docs", RUNNER_INSTALLER="pip").returncode == 0
+    assert lines(log)[-1] == "install -q -e .[docs]"
 
 
 @pytest.mark.e2e
@@ -85,7 +118,7 @@ def test_an_unknown_extra_is_refused_with_the_known_ones(tmp_path: Path) -> None
 
 
 @pytest.mark.e2e
-def test_with_the_system_jax_every_requirement_but_jax_is_installed_against_it(tmp_path: Path) -> None:
+def test_with_the_system_jax_every_requirement_but_jax_is_installed_against_it_by_pip(tmp_path: Path) -> None:
     """A container's preinstalled jax (NVIDIA's ship one) stays: the venv sees it, runner's other
     requirements are installed with it pinned, runner itself without dependencies."""
     import tomllib
@@ -96,13 +129,13 @@ def test_with_the_system_jax_every_requirement_but_jax_is_installed_against_it(t
     result = set_up(tmp_path, "--system-jax", "test")
     assert result.returncode == 0, result.stderr
     assert f"using the system's jax {jax.__version__}" in result.stderr
-    first, second = log.read_text().splitlines()
+    first, second = lines(log)  # pip, not uv: the system's packages are in its view
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = project["dependencies"] + project["optional-dependencies"]["test"] + project["optional-dependencies"]["tpu"]
     assert first.split()[:4] == ["install", "-q", "-c", first.split()[3]]
     assert first.split()[4:] == [r for r in wanted if not r.startswith(("jax==", "jaxlib=="))]
     assert second == "install -q --no-deps -e ."
-    assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"]
+    assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"] and not (tmp_path / "uv.log").exists()
 
 
 def test_the_light_install_holds_no_test_dependency_and_cuda_matches_the_pinned_jax() -> None:
