@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -16,27 +17,62 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's CPU backend below its default LLVM optimisation (2): the suite compiles thousands of small
 # programs and runs most of them a few times, so compiling is its largest cost. Level 0 halves the
-# in-process model tests (tests/models/test_moe_hf.py: 122 s -> 62 s), but runs the compiled code
-# at half speed; level 1 compiles almost as fast (76 s) and runs as fast as level 2 (llama_tiny,
-# 100 steps: train 6.7 s against 7.6 s), so the processes the tests start, some of which train for
-# 150 steps, get level 1. No level changes what is computed (no fast-math at any level).
-IN_PROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
-PROCESS_XLA_FLAGS = "--xla_backend_optimization_level=1"
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), IN_PROCESS_XLA_FLAGS]))
+# in-process model tests (tests/models/test_moe_hf.py: 122 s -> 62 s) and takes a fifth off a tiny
+# run's process (24 steps, nothing cached: 9.7 -> 7.9 CPU-seconds), but runs the compiled code at
+# half speed. So the tests and the processes they start compile at level 0, except the few runs
+# that learn for 150 steps or more, which ask for level 1 (`xla_flags(..., LEARNING)`): it compiles
+# almost as fast as 0 (76 s) and runs as fast as 2 (llama_tiny, 100 steps: train 6.7 s against
+# 7.6 s). No level changes what is computed (no fast-math at any level).
+COMPILING, LEARNING = 0, 1  # XLA CPU levels: for what mostly compiles, for what trains a while
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
+                                                 f"--xla_backend_optimization_level={COMPILING}"]))
 platform.processor()  # runs `uname -p` once and keeps the answer, before the fast tier refuses processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process a test starts: `devices` CPU devices, compiled at level 1."""
-    return f"--xla_force_host_platform_device_count={devices} {PROCESS_XLA_FLAGS}"
+def xla_flags(devices: int, level: int = COMPILING) -> str:
+    """XLA_FLAGS for a process a test starts: `devices` CPU devices, compiled at `level`."""
+    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level={level}"
+
+
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of this test session that all its xdist workers share (each has its own
+    basetemp, popen-gwN, inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+SESSION: dict[str, Path] = {}  # "dir": session_dir, set by the autouse fixture below
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    SESSION["dir"] = session_dir(tmp_path_factory)
+
+
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Path]) -> Path:
+    """What `make(directory)` returns (a run directory inside `directory`), made once a session
+    whichever xdist worker asks first; the others wait for it. For uninterrupted reference runs
+    that several test files compare against and none writes to."""
+    from filelock import FileLock
+
+    where = session_dir(tmp_path_factory) / "shared" / name
+    where.parent.mkdir(exist_ok=True)
+    with FileLock(f"{where}.lock"):
+        done = where.parent / f"{name}.done"
+        if not done.exists():
+            shutil.rmtree(where, ignore_errors=True)  # an earlier attempt that failed
+            where.mkdir()
+            done.write_text(str(make(where).relative_to(where)))
+    return where / done.read_text()
 
 
 def runner_env(tmp_path: Path, devices: int = 1, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
-        "RUNNER_CACHE": str(tmp_path.parent / "runner-cache"),  # shared by the tests of one session
+        # compiled programs and prepared data: shared by every test and xdist worker of the session
+        "RUNNER_CACHE": str(SESSION.get("dir", tmp_path.parent) / "runner-cache"),
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
         "JAX_PLATFORMS": "cpu",

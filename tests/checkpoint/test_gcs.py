@@ -18,7 +18,6 @@ import pytest
 
 from runner.checkpoint import storage
 from tests.conftest import TINY, read_metrics, run_runner, runner_env
-from tests.checkpoint.test_local_tier import two_process_reference  # noqa: F401 (a fixture: two processes, uninterrupted)
 from tests.train.test_restore import BASE, STEPS, assert_tensorboard_matches_metrics, goodput_of, reference  # noqa: F401 (reference: the same run on a local disk, a fixture)
 from tests.train.test_restore import assert_same_run as assert_same_as_reference
 
@@ -295,7 +294,7 @@ def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_b
 @pytest.mark.parametrize("down_for, mesh, stop", [((0, 1), [], 8), ((1,), ["mesh.data=1", "mesh.fsdp=4"], 16)],
                          ids=["every-process", "one-process-fsdp4"])
 def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_local_tier(
-        tmp_path, gcs, two_process_reference, down_for, mesh, stop) -> None:
+        tmp_path, tmp_path_factory, gcs, down_for, mesh, stop) -> None:
     """Two processes x two devices; durable saves at 8 and 16, local saves every 2 steps. The
     bucket goes down (every request 503) when the durable save of step 8 begins: for both
     processes (the state replicated over data=4), or for process 1 alone (its own proxy; the
@@ -311,15 +310,10 @@ def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_
     the local tier and ends bit-exact with an uninterrupted run on the same mesh."""
     from tests.checkpoint.faulty_proxy import Faults, FaultyProxy
     from tests.checkpoint.test_local_tier import BASE as TIER_BASE
-    from tests.checkpoint.test_local_tier import TIERS, assert_bitwise, launched, local_steps
+    from tests.checkpoint.test_local_tier import TIERS, assert_bitwise, launched, local_steps, two_process_reference_on
     from tests.train.test_multiprocess import finish, launch
 
-    expected = two_process_reference
-    if mesh:
-        for code, _, stderr in launched([*TIER_BASE, *mesh, "run.dir=reference", "checkpoint.every_steps=8"],
-                                        tmp_path):
-            assert code == 0, stderr[-3000:]
-        expected = tmp_path / "reference"
+    expected = two_process_reference_on(tmp_path_factory, mesh)  # uninterrupted, on the same mesh
     url = f"gs://{gcs.bucket()}/down"
     local = tmp_path / "local"
     args = [*TIER_BASE, *TIERS, *mesh, f"run.dir={url}", f"checkpoint.local.dir={local}",

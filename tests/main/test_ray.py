@@ -12,7 +12,7 @@ import pytest
 
 from runner.main.ray_launcher import RunnerExit, final_outcome
 from tests.conftest import TINY, read_metrics, runner_env, xla_flags
-from tests.train.test_multiprocess import BASE, STEPS, finish, launch
+from tests.train.test_multiprocess import BASE, finish, launch, two_processes  # noqa: F401 (a fixture)
 from tests.train.test_multiprocess import assert_identical_runs as assert_bitwise
 
 RAY = ["hydra/launcher=ray", "hydra.launcher.hosts=2", "hydra.launcher.object_store_mb=100"]
@@ -24,17 +24,8 @@ def on_ray(args: list[str], tmp_path: Path, timeout: float = 600, **env: str) ->
                           timeout=timeout, env=runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", **env))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The same run, two processes launched by hand, never interrupted."""
-    tmp = tmp_path_factory.mktemp("reference")
-    for code, _, stderr in finish(launch([*ARGS, "run.dir=run"], tmp)):
-        assert code == 0, stderr[-3000:]
-    return tmp / "run"
-
-
 @pytest.mark.e2e
-def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(tmp_path, reference) -> None:
+def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(tmp_path, two_processes) -> None:
     """SIGKILL of one host's process mid-run (attempt 1), then of process 0 while the save of step 8
     is written (attempt 2): Ray restarts the group each time (fresh processes, a fresh
     coordinator), runner resumes, and the run ends as the uninterrupted one."""
@@ -49,7 +40,7 @@ def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(t
     resumed = re.search(r"ray: attempt 3: resumed from step (4|8)\b", out)
     assert resumed, out[-4000:]
     assert "ray: finished after 3 attempts (2 restarts)" in out
-    assert_bitwise(tmp_path / "run", reference)
+    assert_bitwise(tmp_path / "run", two_processes)  # the same run, two processes launched by hand
     records = [r for r in read_metrics(tmp_path / "run") if "goodput/restarts" in r]
     assert records[-1]["goodput/restarts"] == 2.0 and records[-1]["goodput/launches"] == 3.0  # lost ones too
     # attempt 3 trains again the steps attempt 2 logged after the checkpoint it resumed from: 5-8

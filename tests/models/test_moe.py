@@ -19,7 +19,7 @@ from runner.models.moe import (
     updated_bias,
     z_loss,
 )
-from tests.conftest import TINY, read_metrics, run_runner
+from tests.conftest import LEARNING, TINY, read_metrics, run_runner, xla_flags
 
 T, D, F, E = 24, 8, 12, 6
 
@@ -506,7 +506,7 @@ def test_moe_tiny_learns_with_balanced_experts(tmp_path) -> None:
     steps, and at steps 150 and 160 no expert of any layer takes more than twice its even share of
     the token-slots (measured: 5.77 -> 2.49, the busiest 1.49x)."""
     done = run_runner(["job=moe_tiny", "train.steps=160", "eval.every=160", "checkpoint.every_steps=0",
-                       "logging.wandb=disabled", "run.dir=run"], tmp_path)
+                       "logging.wandb=disabled", "run.dir=run"], tmp_path, XLA_FLAGS=xla_flags(1, LEARNING))
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "run")
     evals = [r["eval/stdlib/loss"] for r in records if "eval/stdlib/loss" in r]

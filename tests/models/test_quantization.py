@@ -20,7 +20,7 @@ from runner.errors import ConfigError
 from runner.models import quantization
 from runner.models.gpt import GPTConfig, GPTFamily
 from runner.models.llama import LlamaConfig, LlamaFamily
-from tests.conftest import TINY, read_metrics, run_runner
+from tests.conftest import LEARNING, TINY, read_metrics, run_runner, xla_flags
 
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, 16), 0, 64)
@@ -212,7 +212,7 @@ def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_150_steps(tmp_
     for fmt in ("none", "int8", "fp8"):
         done = run_runner(["job=llama_tiny", "job.model.compute_dtype=bfloat16", f"job.model.quantization={fmt}",
                            "train.steps=150", "eval.every=150", "checkpoint.every_steps=0", "logging.wandb=disabled",
-                           f"run.dir={fmt}"], tmp_path)
+                           f"run.dir={fmt}"], tmp_path, XLA_FLAGS=xla_flags(1, LEARNING))
         assert done.returncode == 0, done.stderr[-3000:]
         finals[fmt] = [r["eval/stdlib/loss"] for r in read_metrics(tmp_path / fmt) if "eval/stdlib/loss" in r]
         if fmt != "none":

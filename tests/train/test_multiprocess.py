@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, read_metrics, run_runner, runner_env, wait_for_lines
+from tests.conftest import TINY, read_metrics, run_runner, runner_env, shared_run, wait_for_lines
 from tests.train.test_restore import params_of
 
 STEPS = 12
@@ -201,14 +201,18 @@ HANG_S = 8
 WATCHED = [*BASE, "eval.every=0", f"run.hang_timeout={HANG_S}s", "logging.progress=plain"]
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> Path:
-    """An uninterrupted two-process run: the reference a healed run must equal bit for bit."""
-    tmp = tmp_path_factory.mktemp("two")
+def make_two_processes(tmp: Path) -> Path:
     results = finish(launch([*WATCHED, "run.dir=run"], tmp))
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
     return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """An uninterrupted two-process run: the reference a healed run must equal bit for bit (here
+    and in test_ray: the watchdog changes no number). Made once a session."""
+    return shared_run(tmp_path_factory, "two-processes", make_two_processes)
 
 
 def assert_identical_runs(a: Path, b: Path) -> None:

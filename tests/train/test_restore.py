@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.conftest import TINY, read_metrics, run_runner, runner_env, start_runner_until
+from tests.conftest import TINY, read_metrics, run_runner, runner_env, shared_run, start_runner_until
 
 pytestmark = pytest.mark.e2e  # every test here starts a process
 
@@ -46,12 +46,16 @@ def ckpt_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("reference")
+def make_reference(tmp: Path) -> Path:
     result = run_runner([*BASE, "run.dir=ref"], tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "ref"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run (one process): made once a session, read by test_local_tier and test_gcs too."""
+    return shared_run(tmp_path_factory, "restore-reference", make_reference)
 
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:
