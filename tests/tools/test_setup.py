@@ -91,8 +91,8 @@ def test_the_first_command_installs_training_alone_and_the_second_adds_the_tests
     assert set_up(tmp_path, "test").returncode == 0
     assert set_up(tmp_path, "cuda").returncode == 0
     assert not log.exists()  # uv was there already: pip installs nothing
-    venv = f"pip install --python .venv/bin/python {UV_FLAGS} -q"
-    sky = f"pip install --python .venv-sky/bin/python {UV_FLAGS} -q skypilot==0.14.1"  # with `test` only
+    venv = f"pip install --python .venv/bin/python --compile-bytecode {UV_FLAGS} -q"
+    sky = f"pip install --python .venv-sky/bin/python --compile-bytecode {UV_FLAGS} -q skypilot==0.14.1"  # `test`
     assert lines(tmp_path / "uv.log") == [f"{venv} -e .", f"{venv} -e .[test,tpu]", sky, f"{venv} -e .[cuda]"]
 
 
