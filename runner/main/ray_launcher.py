@@ -317,14 +317,12 @@ def make_trainer(settings: RaySettings, scaling_kwargs: Mapping[str, Any], confi
             return super()._initialize_and_run_controller(**kwargs)
 
         def _create_default_callbacks(self) -> list[Any]:
-            """On runner's local cluster (no dashboard, no cloud, no datasets): without the
-            placement-group cleaner (it asks the dashboard's state API: a warning every second; the
-            cluster ends with this process anyway) and the datasets manager, which busy two cores."""
-            callbacks = super()._create_default_callbacks()
-            if settings.address != "local":
-                return callbacks
-            idle = ("PlacementGroupCleanerCallback", "DatasetsCallback")
-            return [c for c in callbacks if type(c).__name__ not in idle]
+            """Without Ray Data's datasets manager (runner's workers read their own data; its actor
+            keeps a core of the driver's node busy all run) and, on runner's local cluster (no
+            dashboard: the cleaner asks its state API, a warning every second; the cluster ends
+            with this process anyway), without the placement-group cleaner."""
+            idle = ("DatasetsCallback", "PlacementGroupCleanerCallback" if settings.address == "local" else "")
+            return [c for c in super()._create_default_callbacks() if type(c).__name__ not in idle]
 
     class Reporter(UserCallback):
         """Runs in Ray's controller: each failed attempt's reasons, for the driver to print."""

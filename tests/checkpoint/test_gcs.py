@@ -294,7 +294,7 @@ def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_b
 @pytest.mark.parametrize("down_for, mesh, stop", [((0, 1), [], 8), ((1,), ["mesh.data=1", "mesh.fsdp=4"], 16)],
                          ids=["every-process", "one-process-fsdp4"])
 def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_local_tier(
-        tmp_path, tmp_path_factory, gcs, down_for, mesh, stop) -> None:
+        tmp_path, gcs, down_for, mesh, stop) -> None:
     """Two processes x two devices; durable saves at 8 and 16, local saves every 2 steps. The
     bucket goes down (every request 503) when the durable save of step 8 begins: for both
     processes (the state replicated over data=4), or for process 1 alone (its own proxy; the
@@ -313,7 +313,7 @@ def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_
     from tests.checkpoint.test_local_tier import TIERS, assert_bitwise, launched, local_steps, two_process_reference_on
     from tests.train.test_multiprocess import finish, launch
 
-    expected = two_process_reference_on(tmp_path_factory, mesh)  # uninterrupted, on the same mesh
+    expected = two_process_reference_on(mesh)  # uninterrupted, on the same mesh
     url = f"gs://{gcs.bucket()}/down"
     local = tmp_path / "local"
     args = [*TIER_BASE, *TIERS, *mesh, f"run.dir={url}", f"checkpoint.local.dir={local}",

@@ -117,7 +117,7 @@ def killed(results: list[tuple[int, str, str]]) -> None:
     assert -signal.SIGKILL in codes and 0 not in codes, [r[2][-2000:] for r in results]
 
 
-def two_process_reference_on(tmp_path_factory: pytest.TempPathFactory, mesh: list[str]) -> Path:
+def two_process_reference_on(mesh: list[str]) -> Path:
     """Two processes x two devices on `mesh` (the default: []), uninterrupted, durable saves every 8
     steps: made once a session, read here and by test_gcs."""
     def make(tmp: Path) -> Path:
@@ -125,12 +125,12 @@ def two_process_reference_on(tmp_path_factory: pytest.TempPathFactory, mesh: lis
             assert code == 0, stderr[-3000:]
         return tmp / "run"
 
-    return shared_run(tmp_path_factory, "-".join(["two-process-reference", *mesh]), make)
+    return shared_run("-".join(["two-process-reference", *mesh]), make)
 
 
 @pytest.fixture(scope="module")
-def two_process_reference(tmp_path_factory) -> Path:
-    return two_process_reference_on(tmp_path_factory, [])
+def two_process_reference() -> Path:
+    return two_process_reference_on([])
 
 
 @pytest.mark.e2e
@@ -189,8 +189,7 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
 @pytest.mark.e2e
 @pytest.mark.parametrize("mesh, replicated", [(["mesh.data=2", "mesh.fsdp=2"], True),
                                               (["mesh.data=1", "mesh.fsdp=4"], False)], ids=["data2-fsdp2", "fsdp4"])
-def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_restored(tmp_path, tmp_path_factory, mesh,
-                                                                                   replicated) -> None:
+def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_restored(tmp_path, mesh, replicated) -> None:
     """Two processes x two devices. Killed during the durable save of step 8, then at step 13;
     process 1's local directory deleted (a replaced host); rerun to the end. With data=2 x fsdp=2
     (the data axis across the processes) process 0 holds a copy of every shard of process 1: step 12
@@ -199,7 +198,7 @@ def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_resto
     end bit-exact with an uninterrupted run on the same mesh."""
     local = tmp_path / "local"
     args = [*BASE, *TIERS, *mesh, "run.dir=run", f"checkpoint.local.dir={local}"]
-    reference = two_process_reference_on(tmp_path_factory, mesh)
+    reference = two_process_reference_on(mesh)
 
     # 1. killed while the durable save of step 8 is being written: nothing half-committed is read
     killed(launched(args, tmp_path, RUNNER_FAULT="kill_after_save:8"))

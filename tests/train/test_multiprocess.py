@@ -209,10 +209,10 @@ def make_two_processes(tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> Path:
+def two_processes() -> Path:
     """An uninterrupted two-process run: the reference a healed run must equal bit for bit (here
     and in test_ray: the watchdog changes no number). Made once a session."""
-    return shared_run(tmp_path_factory, "two-processes", make_two_processes)
+    return shared_run("two-processes", make_two_processes)
 
 
 def assert_identical_runs(a: Path, b: Path) -> None:

@@ -53,9 +53,9 @@ def make_reference(tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference() -> Path:
     """The uninterrupted run (one process): made once a session, read by test_local_tier and test_gcs too."""
-    return shared_run(tmp_path_factory, "restore-reference", make_reference)
+    return shared_run("restore-reference", make_reference)
 
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:
