@@ -30,7 +30,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 SKYPILOT_VERSION=0.14.1  # `sky`: the SkyPilot client, in .venv-sky
+UV_VERSION=0.13.9  # the installer (below)
 
+asked="$*"
 extras=()
 system_jax=0
 sky=0
@@ -139,7 +141,7 @@ if settings.get("cert"):
 
 uv=()
 if [ "${RUNNER_INSTALLER:-uv}" = uv ] && [ "$system_jax" = 0 ] && ! sees_system; then
-    if [ -x .venv/bin/uv ] || .venv/bin/pip install -q uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
+    if [ -x .venv/bin/uv ] || .venv/bin/pip install -q "uv==$UV_VERSION" >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
         mapfile -t settings < <(pip_settings_for_uv)
         for setting in "${settings[@]}"; do
             case "$setting" in
@@ -157,7 +159,11 @@ install_into() {
     local python="$1"
     shift
     if [ "${#uv[@]}" -gt 0 ]; then
-        .venv/bin/uv pip install --python "$python" --compile-bytecode "${uv[@]}" "$@"
+        .venv/bin/uv pip install --python "$python" --compile-bytecode "${uv[@]}" "$@" || {
+            echo "tools/venv.sh: uv could not install that (above). To install with pip instead:" \
+                 "RUNNER_INSTALLER=pip bash tools/venv.sh $asked" >&2
+            return 1
+        }
     else
         "$(dirname "$python")/pip" install "$@"
     fi

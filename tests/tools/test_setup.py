@@ -101,12 +101,16 @@ def test_pip_installs_where_uv_cannot_be_had_or_is_not_wanted(tmp_path: Path) ->
     log = fake_venv(tmp_path, uv=False)  # pip "installs" uv, but no uv appears
     result = set_up(tmp_path, "test")
     assert result.returncode == 0 and "uv could not be installed" in result.stderr
-    assert lines(log) == ["install -q uv", "install -q -e .[test,tpu]"]
+    assert lines(log) == ["install -q uv==0.13.9", "install -q -e .[test,tpu]"]
     assert sky_installs(tmp_path) == ["install -q skypilot==0.14.1"]
     (tmp_path / ".venv" / "bin" / "uv").write_text("#!/bin/sh\nexit 1\n")  # uv there, but pip asked for by name
     (tmp_path / ".venv" / "bin" / "uv").chmod(0o755)
     assert set_up(tmp_path, "docs", RUNNER_INSTALLER="pip").returncode == 0
     assert lines(log)[-1] == "install -q -e .[docs]"
+
+    failed = set_up(tmp_path, "docs")  # uv there, and failing: the way to pip is named
+    assert failed.returncode != 0 and lines(log)[-1] == "install -q -e .[docs]"
+    assert failed.stderr.strip().endswith("To install with pip instead: RUNNER_INSTALLER=pip bash tools/venv.sh docs")
 
 
 @pytest.mark.e2e
