@@ -248,3 +248,22 @@ def test_hosts_the_cluster_cannot_hold_are_refused_at_once_on_a_local_cluster() 
     elastic = {"num_workers": (1, 4), "resources_per_worker": {"CPU": 2}}
     check_resources(FakeRay, elastic, 4, RaySettings(), said.append)  # one host of two CPUs is enough to start
     assert len(said) == 1
+
+
+def test_ray_s_callbacks_lose_the_datasets_manager_everywhere_and_the_cleaner_on_the_local_cluster() -> None:
+    """runner's workers read their own data, so Ray Data's datasets manager (an actor that keeps a
+    core busy all run) is left out on every cluster; the placement-group cleaner, which asks a
+    dashboard the local cluster does not start, only there. Ray's other callbacks stay."""
+    from ray.train.v2.jax import JaxTrainer
+
+    from runner.main.ray_launcher import RaySettings, make_trainer
+
+    scaling = {"num_workers": 2, "resources_per_worker": {"CPU": 1}}
+    names = {}
+    for address in ("local", "10.0.0.1:6379"):
+        trainer = make_trainer(RaySettings(address=address), scaling, {}, None)
+        names[address] = {type(c).__name__ for c in trainer._create_default_callbacks()}
+    ray_s = {type(c).__name__ for c in JaxTrainer._create_default_callbacks(trainer)}
+    assert {"DatasetsCallback", "PlacementGroupCleanerCallback", "BackendSetupCallback"} <= ray_s  # what Ray adds
+    assert names["10.0.0.1:6379"] == ray_s - {"DatasetsCallback"}
+    assert names["local"] == ray_s - {"DatasetsCallback", "PlacementGroupCleanerCallback"}
