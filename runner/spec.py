@@ -150,7 +150,8 @@ class ModelSpec(_Frozen):
     compute_dtype: str = "float32"  # float32 | bfloat16: activations and matmuls
     param_dtype: str = "float32"  # float32 | bfloat16: the stored parameters (and their gradients)
     attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
-    # with mesh.context > 1, attention across the split rows: auto | allgather | ring (runner.models.context)
+    # with mesh.context > 1, attention across the split rows: auto | allgather | ring | ulysses
+    # (runner.models.context)
     context_parallel: str = "auto"
     # auto (dots when layers are scanned, none when unrolled: measured fastest on CPU, docs/performance.md)
     # | none (save every activation) | full (recompute the block) | dots (save the weight matmuls' outputs)
@@ -190,7 +191,7 @@ class ModelSpec(_Frozen):
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
             ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("auto", "none", "full", "dots")),
-            ("context_parallel", ("auto", "allgather", "ring")), ("quantization_scaling", ("auto", "channel", "tensor")),
+            ("context_parallel", ("auto", "allgather", "ring", "ulysses")), ("quantization_scaling", ("auto", "channel", "tensor")),
             ("activation", ("", *ACTIVATIONS))))
         self.rope.check(spec)
         self.moe.check(spec)

@@ -46,8 +46,8 @@ def model_config(spec: ExecutionSpec) -> Any:
         return config
     target = platform(spec)
     impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
-    if spec.mesh.context > 1 and not context_splash(spec, impl):  # rows split over the context axis: XLA blocks
-        impl = "xla"
+    if spec.mesh.context > 1 and spec.job.model.context_parallel != "ulysses" and not context_splash(spec, impl):
+        impl = "xla"  # rows split over the context axis: XLA blocks (ulysses attends whole rows: any kernel)
     config = dataclasses.replace(config, attention=impl)
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
     return for_platform(config, target) if for_platform else config

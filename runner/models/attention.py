@@ -146,12 +146,25 @@ def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opt
            kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto") -> jax.Array:
     """Causal attention by implementation `impl` (`auto` resolved for the running backend); rows
     split over a context axis (runner.models.context, in its order) by `context_parallel`."""
-    if context.active(q.shape[1]):
-        return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes, impl=impl)
     if impl == "auto":  # a config that did not go through `check`: the default backend decides
         impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
                        q.shape[1])
+    if context.active(q.shape[1]):
+        return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes, impl=impl,
+                                         whole_rows=whole_rows(impl))
     return ATTENTION.get(impl)(q, k, v, segment_ids, kv_axes=kv_axes)
 
 
-__all__ = ["ATTENTION", "CHOICES", "attend", "check", "resolve", "segment_mask"]
+def whole_rows(impl: str) -> context.WholeRows:
+    """`impl` on one device's whole rows (ulysses runs it inside shard_map): the splash kernel per
+    device where its 128-token tiles fit the rows (else xla, the same function), cuDNN's or XLA's
+    fused attention as they are."""
+    def attend_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
+        if impl in context.SPLASH and q.shape[1] % 128 == 0:
+            return _splash_local(q, k, v, segment_ids, interpret=impl == "splash_interpret")
+        return (cudnn_attention if impl == "cudnn" else xla_attention)(q, k, v, segment_ids)
+
+    return attend_rows
+
+
+__all__ = ["ATTENTION", "CHOICES", "attend", "check", "resolve", "segment_mask", "whole_rows"]

@@ -6,6 +6,14 @@ across the split (`job.model.context_parallel`).
     ring       the key/value blocks travel around the ring of shards (`ppermute`), each shard
                folding one block at a time into an online softmax: no shard ever holds the whole
                row's keys, and the next block's transfer is issued before this block's compute.
+    ulysses    DeepSpeed-Ulysses: an all-to-all over the context axis turns each shard's slice of
+               the row (all its heads) into the whole row for 1/C of the heads; attention runs on
+               whole rows with the platform's own kernel (splash, cuDNN or XLA, document masks
+               included), and an all-to-all turns the heads back into sequence shards. Two
+               all-to-alls of q, k, v and the output per layer, independent of the row's length in
+               count; the heads a shard holds (after mesh.tensor) must divide by C. Key/value heads
+               that do not (grouped-query models with fewer of them than C) are repeated to one per
+               query head first, and the launch says so.
     auto       allgather.
 
 Layout. A causal row has more work at its end than at its start, so the row is not cut into C
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +48,8 @@ from runner.models.common import Q_AXES, fit_spec
 
 AXIS = "context"
 SPLASH = ("splash", "splash_interpret")  # the implementations run per shard by the splash kernel
+# (q (B, T, n, H), k and v (B, T, k, H), segment_ids (B, T) or None) -> (B, T, n, H): one device, whole rows
+WholeRows = Callable[[jax.Array, jax.Array, jax.Array, Optional[jax.Array]], jax.Array]
 
 
 def context_ways() -> int:
@@ -172,23 +182,56 @@ def _splash_allgather(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opt
                          out_specs=q_spec, check_vma=False)(kernel, q, k, v, segment_ids)
 
 
+def local_heads(heads: int, spec_entry: object, mesh: jax.sharding.AbstractMesh) -> int:
+    """How many of `heads` one device holds, its head dimension split as `spec_entry` says."""
+    names = () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+    return heads // math.prod(int(dict(mesh.shape)[n]) for n in names)
+
+
+def _ulysses(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq_len: int, ways: int,
+             whole_rows: WholeRows) -> jax.Array:
+    """One shard's slice of the rows (context order, all its heads) -> by all-to-all the whole
+    rows for its 1/ways of the heads, in the original order -> `whole_rows` attention -> back to
+    context order -> by all-to-all its own slice with all its heads."""
+    order = zigzag_order(seq_len, ways)
+    back = np.argsort(order)
+
+    def to_heads(x: jax.Array) -> jax.Array:
+        return jnp.take(jax.lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True), back, axis=1)
+
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    if seg is not None:
+        seg = jnp.take(jax.lax.all_gather(seg, AXIS, axis=1, tiled=True), back, axis=1)
+    out = jnp.take(whole_rows(q, k, v, seg), order, axis=1)
+    return jax.lax.all_to_all(out, AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+
 def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
-                      kv_axes: tuple[str, ...], impl: str = "xla") -> jax.Array:
+                      kv_axes: tuple[str, ...], impl: str = "xla", whole_rows: Optional[WholeRows] = None) -> jax.Array:
     """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
     the context axis in shard_map: `allgather` or `ring` (`auto`: allgather), by the splash kernel
-    (impl splash, where its tiles fit) or XLA blocks. Batch and heads stay split as their logical
-    axes say."""
+    (impl splash, where its tiles fit) or XLA blocks; or `ulysses`, whole rows for a share of the
+    heads attended by `whole_rows` (the implementation's own function on one device). Batch and
+    heads stay split as their logical axes say."""
     mesh = jax.sharding.get_abstract_mesh()
     ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
     q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
-    if kv_spec[2] != q_spec[2]:  # kv heads replicated while query heads are split: one kv head per query head
+    ulysses = kind == "ulysses"
+    if kv_spec[2] != q_spec[2] or (ulysses and local_heads(k.shape[2], kv_spec[2], mesh) % ways):
+        # kv heads replicated while query heads are split, or too few to split over the context
+        # axis (ulysses): one kv head per query head
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec
     interpret, kernel = impl == "splash_interpret", impl in SPLASH and splash_fits(kind, seq_len, ways)
-    if kernel and kind != "ring":
+    if ulysses:
+        if whole_rows is None or local_heads(q.shape[2], q_spec[2], mesh) % ways:
+            raise ValueError(f"ulysses: {q.shape[2]} heads split as {q_spec[2]} do not divide over {ways} "
+                             "context shards (runner.parallel.mesh.check_context refuses this)")
+        local = functools.partial(_ulysses, seq_len=seq_len, ways=ways, whole_rows=whole_rows)
+    elif kernel and kind != "ring":
         return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=interpret)
-    if kernel:
+    elif kernel:
         local = functools.partial(splash_ring.attend, ways=ways, interpret=interpret)
     else:
         local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring")

@@ -143,7 +143,7 @@ def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
     return resolve_mesh_shape(m.data, m.fsdp, m.tensor, num_devices, expert=m.expert, context=m.context)
 
 
-def check_context(spec: Any, context: int) -> None:
+def check_context(spec: Any, context: int, tensor: int = 0) -> None:
     """A context axis of `context` shards: rows cut into 2 x that many equal chunks (the zig-zag
     layout, runner.models.context), attended by the splash kernel (each shard's tokens, or with
     ring each half of them, in whole tiles) or by XLA blocks; cuDNN has no context-parallel form
@@ -155,6 +155,9 @@ def check_context(spec: Any, context: int) -> None:
                           f"{2 * context} equal chunks (two per shard, for equal causal work).",
                           f"use a multiple of {2 * context}, or another mesh.context.")
     attention, kind, seq_len = spec.job.model.attention, spec.job.model.context_parallel, spec.train.seq_len
+    if kind == "ulysses":
+        check_ulysses(spec, context, tensor)
+        return
     if attention == "splash":
         ring = kind == "ring"
         tiles = context * 128 * (2 if ring else 1)
@@ -169,6 +172,42 @@ def check_context(spec: Any, context: int) -> None:
                           "attention runs as the splash kernel (TPU, allgather) or as XLA blocks across the shards; "
                           f"{attention} has no context-parallel form here.",
                           "use job.model.attention=auto, splash or xla.")
+
+
+def tensor_ways(spec: Any, tensor: int = 0) -> int:
+    """The tensor axis's size: `tensor` where the mesh is resolved, else mesh.tensor as set (1 when
+    it is left to fill the devices: the check runs again on the resolved mesh)."""
+    return tensor or (spec.mesh.tensor if spec.mesh.tensor > 0 else 1)
+
+
+def ulysses_heads(spec: Any, tensor: int = 0) -> tuple[int, int]:
+    """(query heads, key/value heads) each device holds before ulysses' all-to-all splits them
+    over the context axis: the tensor axis splits them first where it divides them."""
+    model = spec.job.model
+    kv_heads = getattr(model, "n_kv_heads", 0) or model.n_heads
+    tensor = tensor_ways(spec, tensor)
+    return tuple(h // tensor if h % tensor == 0 else h for h in (model.n_heads, kv_heads))  # type: ignore[return-value]
+
+
+def check_ulysses(spec: Any, context: int, tensor: int = 0) -> None:
+    """Ulysses gives each context shard whole rows for 1/`context` of the heads: the query heads a
+    device holds must divide by it (key/value heads that do not are repeated, `kv_heads_repeated`)."""
+    heads, _ = ulysses_heads(spec, tensor)
+    if heads % context:
+        tensor = tensor_ways(spec, tensor)
+        held = (f"each device holds {heads} of the {spec.job.model.n_heads} query heads (job.model.n_heads, "
+                f"after mesh.tensor={tensor})" if heads != spec.job.model.n_heads
+                else f"there are {heads} query heads (job.model.n_heads)")
+        raise ConfigError("job.model.context_parallel", "ulysses", f"ulysses splits every device's heads over "
+                          f"mesh.context={context} (whole rows for 1/{context} of them each), and {held}.",
+                          f"use a mesh.context that divides {heads}, or job.model.context_parallel=allgather or "
+                          "ring (they split the sequence, not the heads).")
+
+
+def kv_heads_repeated(spec: Any, context: int, tensor: int = 0) -> bool:
+    """Whether ulysses repeats the key/value heads to one per query head (fewer of them on a device
+    than context shards, or a number they do not divide), for the launch to say."""
+    return spec.job.model.context_parallel == "ulysses" and context > 1 and ulysses_heads(spec, tensor)[1] % context != 0
 
 
 def check_spec(spec: Any) -> None:
@@ -191,7 +230,7 @@ def check_spec(spec: Any) -> None:
         raise ConfigError("mesh.expert", shape["expert"], f"on topology {spec.topology} the expert axis takes "
                           f"{shape['expert']} devices, which does not divide the {experts} experts.",
                           "size the other mesh axes so the expert axis divides job.model.moe.n_experts.")
-    check_context(spec, shape["context"])
+    check_context(spec, shape["context"], shape["tensor"])
     batch_ways = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = t.batch_size // t.accumulate_steps
     if micro % batch_ways:

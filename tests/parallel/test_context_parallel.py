@@ -44,27 +44,33 @@ for name, (Model, Family, cfg) in models.items():
     want, _ = run(cfg)
     for shape in ({"data": 1, "fsdp": 1, "context": 4, "tensor": 1}, {"data": 2, "fsdp": 1, "context": 2, "tensor": 1},
                   {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "context": 2, "tensor": 2}):
-        for kind in ("allgather", "ring"):
+        for kind in ("allgather", "ring", "ulysses"):
             c = dataclasses.replace(cfg, context_parallel=kind)
             with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
                 got, text = run(c)
             key = name + "/" + "/".join(f"{k}{v}" for k, v in shape.items() if v > 1) + "/" + kind
             out[key] = {"error": relative_error(got, want),
                         "gather": "all-gather" in text or "all_gather" in text,
-                        "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text}
+                        "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text,
+                        "all_to_all": "all-to-all" in text or "all_to_all" in text}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.e2e
 def test_context_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
-    """(context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2), allgather and
-    ring, for llama (GQA and MQA) and gpt: every logit and every gradient within float32 rounding."""
+    """(context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2), allgather,
+    ring and ulysses, for llama (GQA and MQA) and gpt: every logit and every gradient within float32
+    rounding. Ulysses there covers both of its head layouts: key/value heads that split over the
+    context axis (GQA's 2 over context 2) and ones repeated to one per query head (MQA; GQA's 2 over
+    context 4, or 1 per device beside tensor 2)."""
     out = run_script(EQUIVALENCE, tmp_path)
-    assert len(out) == 24
+    assert len(out) == 36
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
-        assert result["permute"] if name.endswith("ring") else result["gather"], (name, result)
+        collective = {"ring": "permute", "allgather": "gather", "ulysses": "all_to_all"}[name.rsplit("/", 1)[1]]
+        assert result[collective], (name, result)
+        assert result["all_to_all"] == name.endswith("ulysses"), (name, result)  # heads travel only under ulysses
 
 
 SPLASH_EQUIVALENCE = """
@@ -76,11 +82,12 @@ from runner.models.llama import Llama, LlamaConfig, LlamaFamily
 from runner.models.gpt import GPT, GPTConfig, GPTFamily
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
-KIND, T = "allgather", 512  # the ring test replaces this line
+KIND, T = "allgather", 512  # the ring and ulysses tests replace this line
 built = []  # the shards each splash kernel was built for: proof the kernel ran, not the XLA blocks
-kernel, ring_kernels = splash.zigzag_causal_kernel, splash_ring.kernels
+kernel, ring_kernels, rows_kernel = splash.zigzag_causal_kernel, splash_ring.kernels, splash.causal_kernel
 splash.zigzag_causal_kernel = lambda *a, **k: built.append(a[2]) or kernel(*a, **k)
 splash_ring.kernels = lambda *a, **k: built.append(T // a[1]) or ring_kernels(*a, **k)
+splash.causal_kernel = lambda *a, **k: built.append(a[1]) or rows_kernel(*a, **k)  # whole rows (ulysses)
 tokens = jax.random.randint(jax.random.PRNGKey(3), (2, T), 0, 64)
 # chunks of 64 tokens (context 4) or 128 (context 2) at T 512, 128 or 256 at 1024: document edges
 # on chunk edges (64, 128, 256) and inside chunks (100, 300), a padded tail; the second row one
@@ -137,6 +144,20 @@ def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(t
 
 
 @pytest.mark.e2e
+def test_the_splash_kernel_on_whole_rows_under_ulysses_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
+    """attention=splash with ulysses: after the all-to-all each device runs the ordinary splash
+    kernel on whole 512-token rows (built for 512, not a shard's share) for its share of the
+    heads, key/value heads repeated where they do not split (GQA over context 4 or beside tensor
+    2, MQA); the same meshes as allgather: logits and gradients within float32 rounding of one
+    device's XLA attention."""
+    out = run_script(SPLASH_EQUIVALENCE.replace('"allgather", 512', '"ulysses", 512'), tmp_path)
+    assert len(out) == 6
+    for name, result in out.items():
+        assert result["error"] < 1e-5, (name, result)
+        assert result["kernels"] and set(result["kernels"]) == {512}, (name, result)  # whole rows
+
+
+@pytest.mark.e2e
 def test_the_splash_kernel_per_ring_block_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
     """attention=splash with ring: every ring step one splash call (the own block causal, the
     others' half blocks unmasked), merged by the kernels' log-sum-exps; the gradient by splash's
@@ -175,28 +196,30 @@ def losses(run_dir) -> dict[int, float]:
 @pytest.mark.e2e
 def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_context_size(tmp_path) -> None:
     """30 steps of packed documents through `python -m runner`: (data 2, context 2) by allgather
-    and (context 4) by ring match one device; a run killed at step 22 on (context 2) resumes
-    bit-exact on (context 2), and on (context 4) onto the same curve."""
+    and by ulysses, and (context 4) by ring, match one device; a run killed at step 22 resumes
+    bit-exact on the same mesh (allgather, and ulysses), and on (context 4) onto the same curve."""
     from tests.train.test_restore import params_of
 
     one = run_runner([*RUN, "run.dir=one"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     want = losses(tmp_path / "one")
     assert sorted(want) == list(range(1, 31)) and want[30] < want[1]
-    for name, extra in (("dc", ["mesh.data=2", "mesh.context=2", "job.model.context_parallel=allgather"]),
-                        ("c", ["mesh.data=1", "mesh.context=4", "job.model.context_parallel=ring"])):
+    dc, ulysses = (["mesh.data=2", "mesh.context=2", f"job.model.context_parallel={kind}"]
+                   for kind in ("allgather", "ulysses"))
+    for name, extra in (("dc", dc), ("c", ["mesh.data=1", "mesh.context=4", "job.model.context_parallel=ring"]),
+                        ("u", ulysses)):
         assert_same_losses(RUN, tmp_path, name, extra, want)
+    assert "(ulysses)" in (tmp_path / "u" / "RUN_CARD.md").read_text()
 
-    mesh = ["mesh.data=2", "mesh.context=2"]
-    whole = run_runner([*RUN, "run.dir=whole", *mesh], tmp_path, devices=4)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    for name, again_mesh in (("same", mesh), ("moved", ["mesh.data=1", "mesh.context=4"])):
+    for name, mesh, again_mesh in (("same", dc, dc), ("moved", dc, ["mesh.data=1", "mesh.context=4"]),
+                                   ("ulysses", ulysses, ulysses)):
         killed = run_runner([*RUN, f"run.dir={name}", *mesh], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:22")
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         again = run_runner([*RUN, f"run.dir={name}", *again_mesh], tmp_path, devices=4)
         assert again.returncode == 0 and "resumed from step 20 " in again.stdout, again.stderr[-3000:]
-    for a, b in zip(params_of(tmp_path / "same", 30), params_of(tmp_path / "whole", 30), strict=True):
-        np.testing.assert_array_equal(a, b)
+    for name, whole in (("same", "dc"), ("ulysses", "u")):  # the uninterrupted runs on the same mesh
+        for a, b in zip(params_of(tmp_path / name, 30), params_of(tmp_path / whole, 30), strict=True):
+            np.testing.assert_array_equal(a, b)
     moved = losses(tmp_path / "moved")
     for step in range(21, 31):
         assert moved[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), step
@@ -205,13 +228,16 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
 @pytest.mark.e2e
 @pytest.mark.parametrize("kind, seq_len, card", [
     ("allgather", 256, "splash_interpret kernel on each shard's rows, keys and values gathered over mesh.context=2"),
-    ("ring", 512, "splash_interpret kernel per block, key/value blocks passed around mesh.context=2 (ring)")],
-    ids=["allgather", "ring"])
+    ("ring", 512, "splash_interpret kernel per block, key/value blocks passed around mesh.context=2 (ring)"),
+    ("ulysses", 256, "splash_interpret on whole rows, 1 head per device, heads and sequence exchanged by all-to-all "
+     "over mesh.context=2 (ulysses); key/value heads repeated to one per query head (1 on a device do not split 2 "
+     "ways)")],
+    ids=["allgather", "ring", "ulysses"])
 def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path, kind: str, seq_len: int,
                                                                       card: str) -> None:
     """`python -m runner job.model.attention=splash mesh.context=2` (Pallas interpret mode on this
-    CPU) on packed rows, allgather and ring: the kernel runs per shard or per block (the run card
-    says so) and the losses are one device's XLA attention's."""
+    CPU) on packed rows, allgather, ring and ulysses: the kernel runs per shard, per block or on
+    whole rows (the run card says so) and the losses are one device's XLA attention's."""
     run = [*RUN, "job.model.n_kv_heads=1", f"train.seq_len={seq_len}", f"job.model.context_length={seq_len}",
            "train.steps=4", "train.batch_size=4", "eval.every=0", "checkpoint.every_steps=0"]
     one = run_runner([*run, "run.dir=one", "job.model.attention=xla"], tmp_path)
@@ -270,9 +296,43 @@ def test_what_cannot_run_context_parallel_is_refused() -> None:
     cudnn = dataclasses.replace(splash, job=dataclasses.replace(spec.job, model=ModelSpec(attention="cudnn")))
     with pytest.raises(ConfigError, match=r"job.model.attention='cudnn'.*no context-parallel form"):
         check_spec(cudnn)
-    with pytest.raises(ConfigError, match=r"job.model.context_parallel"):
+    with pytest.raises(ConfigError, match=r"job.model.context_parallel.*ulysses"):  # named among the choices
         validate(dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(
-            context_parallel="ulysses"))))
+            context_parallel="megatron"))))
+
+
+def test_ulysses_refuses_heads_that_do_not_split_over_the_context_axis_and_says_when_it_repeats_kv() -> None:
+    """Ulysses hands each context shard whole rows for a share of the heads a device holds (after
+    mesh.tensor): 4 heads split 4 or 2 ways; 6 do not split 4 ways, nor 4 heads 2 ways beside
+    tensor 2 (refused, naming the key and the fix). Key/value heads that do not split are
+    repeated, and the launch's attention line says so; cuDNN is allowed (whole rows)."""
+    from runner.parallel.compile import ulysses_summary
+    from runner.parallel.mesh import check_spec, kv_heads_repeated
+    from runner.spec import ExecutionSpec, MeshSpec, ModelSpec, TrainSpec
+
+    def spec_of(heads: int, kv: int, **mesh: int) -> ExecutionSpec:
+        spec = ExecutionSpec(topology="cpu-4")
+        return dataclasses.replace(spec, mesh=MeshSpec(data=1, **mesh), train=TrainSpec(seq_len=64, batch_size=8),
+                                   job=dataclasses.replace(spec.job, model=ModelSpec(
+                                       family="llama", n_heads=heads, n_kv_heads=kv, context_parallel="ulysses")))
+
+    check_spec(spec_of(4, 2, context=4))
+    check_spec(spec_of(4, 4, context=2, tensor=2))
+    with pytest.raises(ConfigError, match=r"ulysses splits every device's heads over mesh.context=4.*6 query heads"
+                       r".*use a mesh.context that divides 6, or job.model.context_parallel=allgather or ring"):
+        check_spec(spec_of(6, 6, context=4))
+    with pytest.raises(ConfigError, match=r"each device holds 2 of the 4 query heads.*after mesh.tensor=2"):
+        check_spec(dataclasses.replace(spec_of(4, 4, context=4, tensor=2), topology="cpu-8"))
+    cudnn = spec_of(4, 2, context=4)
+    check_spec(dataclasses.replace(cudnn, job=dataclasses.replace(cudnn.job, model=dataclasses.replace(
+        cudnn.job.model, attention="cudnn"))))  # (the platform check is attention's own)
+    assert kv_heads_repeated(spec_of(4, 2, context=4), 4) and not kv_heads_repeated(spec_of(4, 2, context=2), 2)
+    config = spec_of(4, 2, context=4).job.model
+    line = ulysses_summary(config, "xla", {"context": 4, "tensor": 1})
+    assert line == ("xla on whole rows, 1 head per device, heads and sequence exchanged by all-to-all over "
+                    "mesh.context=4 (ulysses); key/value heads repeated to one per query head (2 on a device do "
+                    "not split 4 ways)"), line
+    assert "repeated" not in ulysses_summary(config, "splash", {"context": 2, "tensor": 1})
 
 
 @pytest.mark.parametrize("kind, seq_len, attention", [("auto", 512, "splash"), ("ring", 1024, "splash"),

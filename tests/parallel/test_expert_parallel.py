@@ -41,6 +41,12 @@ for shape in ({"data": 2, "fsdp": 1, "expert": 2, "tensor": 1}, {"data": 1, "fsd
         name = "/".join(f"{k}{v}" for k, v in shape.items() if v > 1) + "/" + dispatch
         out[name] = {"error": relative_error(got, want),
                      "all_to_all": "all_to_all" in text or "all-to-all" in text}
+# rows split over context by ulysses (heads exchanged by all-to-all) beside the expert axis
+shape = {"data": 1, "fsdp": 1, "expert": 2, "context": 2, "tensor": 1}
+cfg = dataclasses.replace(base, moe_dispatch="ragged", context_parallel="ulysses")
+with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(LlamaFamily.axis_rules(cfg, shape)):
+    got, text = run(cfg)
+out["expert2/context2/ragged/ulysses"] = {"error": relative_error(got, want), "all_to_all": "all_to_all" in text}
 print(json.dumps(out))
 """
 
@@ -48,10 +54,10 @@ print(json.dumps(out))
 @pytest.mark.e2e
 def test_expert_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
     """(data 2, expert 2), (expert 4), (fsdp 2, tensor 2), (expert 2, tensor 2), (fsdp 2, expert 2),
-    (expert 2, context 2: rows split as well) against the dense reference on one device: forward
-    and every gradient, the router's included."""
+    (expert 2, context 2: rows split as well, by allgather and by ulysses) against the dense
+    reference on one device: forward and every gradient, the router's included."""
     out = run_script(EQUIVALENCE, tmp_path)
-    assert len(out) == 12
+    assert len(out) == 13
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         assert result["all_to_all"] == ("expert" in name), (name, result)  # tokens travel only over the expert axis
