@@ -379,8 +379,8 @@ def ulysses_summary(config: Any, impl: str, shape: dict[str, int]) -> str:
     repeated = (f"; key/value heads repeated to one per query head ({held[1]} on a device do not split "
                 f"{ways} ways)") if held[1] % ways else ""
     per_device = held[0] // ways
-    return (f"{impl} on whole rows, {per_device} head{'s' if per_device != 1 else ''} per device, heads and sequence exchanged by all-to-all "
-            f"over mesh.context={ways} (ulysses){repeated}")
+    return (f"{impl} on whole rows, {per_device} head{'s' if per_device != 1 else ''} per device, heads and "
+            f"sequence exchanged by all-to-all over mesh.context={ways} (ulysses){repeated}")
 
 
 def _model_notes(job: Any) -> str:

@@ -146,8 +146,8 @@ def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
 def check_context(spec: Any, context: int, tensor: int = 0) -> None:
     """A context axis of `context` shards: rows cut into 2 x that many equal chunks (the zig-zag
     layout, runner.models.context), attended by the splash kernel (each shard's tokens, or with
-    ring each half of them, in whole tiles) or by XLA blocks; cuDNN has no context-parallel form
-    here."""
+    ring each half of them, in whole tiles) or by XLA blocks, where cuDNN has no form; ulysses
+    attends whole rows with any kernel, its heads split over the axis (`check_ulysses`)."""
     if context <= 1:
         return
     if spec.train.seq_len % (2 * context):
@@ -191,7 +191,8 @@ def ulysses_heads(spec: Any, tensor: int = 0) -> tuple[int, int]:
 
 def check_ulysses(spec: Any, context: int, tensor: int = 0) -> None:
     """Ulysses gives each context shard whole rows for 1/`context` of the heads: the query heads a
-    device holds must divide by it (key/value heads that do not are repeated, `kv_heads_repeated`)."""
+    device holds must divide by it (key/value heads that do not are repeated, and the launch's
+    attention line says so: runner.parallel.compile.ulysses_summary)."""
     heads, _ = ulysses_heads(spec, tensor)
     if heads % context:
         tensor = tensor_ways(spec, tensor)
@@ -203,11 +204,6 @@ def check_ulysses(spec: Any, context: int, tensor: int = 0) -> None:
                           f"use a mesh.context that divides {heads}, or job.model.context_parallel=allgather or "
                           "ring (they split the sequence, not the heads).")
 
-
-def kv_heads_repeated(spec: Any, context: int, tensor: int = 0) -> bool:
-    """Whether ulysses repeats the key/value heads to one per query head (fewer of them on a device
-    than context shards, or a number they do not divide), for the launch to say."""
-    return spec.job.model.context_parallel == "ulysses" and context > 1 and ulysses_heads(spec, tensor)[1] % context != 0
 
 
 def check_spec(spec: Any) -> None:
