@@ -150,9 +150,12 @@ class ModelSpec(_Frozen):
     compute_dtype: str = "float32"  # float32 | bfloat16: activations and matmuls
     param_dtype: str = "float32"  # float32 | bfloat16: the stored parameters (and their gradients)
     attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
-    # with mesh.context > 1, attention across the split rows: auto | allgather | ring | ulysses
+    # with mesh.context > 1, attention across the split rows: auto | allgather | ring | ulysses | usp
     # (runner.models.context)
     context_parallel: str = "auto"
+    # usp: how many consecutive context shards exchange heads by all-to-all (the rest of mesh.context is
+    # a ring); 0: the most that divide the heads a device holds, below mesh.context. Only usp reads it.
+    ulysses_ways: int = 0
     # auto (dots when layers are scanned, none when unrolled: measured fastest on CPU, docs/performance.md)
     # | none (save every activation) | full (recompute the block) | dots (save the weight matmuls' outputs)
     remat: str = "auto"
@@ -191,8 +194,12 @@ class ModelSpec(_Frozen):
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
             ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("auto", "none", "full", "dots")),
-            ("context_parallel", ("auto", "allgather", "ring", "ulysses")), ("quantization_scaling", ("auto", "channel", "tensor")),
+            ("context_parallel", ("auto", "allgather", "ring", "ulysses", "usp")), ("ulysses_ways", ">= 0"), ("quantization_scaling", ("auto", "channel", "tensor")),
             ("activation", ("", *ACTIVATIONS))))
+        if self.ulysses_ways and self.context_parallel != "usp":
+            raise ConfigError("job.model.ulysses_ways", self.ulysses_ways, "only context_parallel=usp splits the "
+                              f"context axis into all-to-all groups, and it is {self.context_parallel}.",
+                              "set job.model.context_parallel=usp, or drop job.model.ulysses_ways.")
         self.rope.check(spec)
         self.moe.check(spec)
         _check_rules("job.model", self, (

@@ -16,6 +16,7 @@ from runner.errors import ConfigError
 from runner.models import attention, context, hf, quantization
 from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
 from runner.models.family import MODEL_FAMILIES, ModelFamily
+from runner.parallel.mesh import usp_ways
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
 
@@ -46,9 +47,12 @@ def model_config(spec: ExecutionSpec) -> Any:
         return config
     target = platform(spec)
     impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
-    if spec.mesh.context > 1 and spec.job.model.context_parallel != "ulysses" and not context_splash(spec, impl):
+    kind = spec.job.model.context_parallel
+    if spec.mesh.context > 1 and (kind == "usp" or kind != "ulysses" and not context_splash(spec, impl)):
         impl = "xla"  # rows split over the context axis: XLA blocks (ulysses attends whole rows: any kernel)
     config = dataclasses.replace(config, attention=impl)
+    if kind == "usp" and spec.mesh.context > 1 and hasattr(config, "ulysses_ways"):
+        config = dataclasses.replace(config, ulysses_ways=usp_ways(spec, spec.mesh.context))
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
     return for_platform(config, target) if for_platform else config
 

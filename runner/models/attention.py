@@ -143,15 +143,16 @@ def check(name: str, platform: str, compute_dtype: str, seq_len: int) -> str:
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-           kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto") -> jax.Array:
+           kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto", ulysses_ways: int = 0) -> jax.Array:
     """Causal attention by implementation `impl` (`auto` resolved for the running backend); rows
-    split over a context axis (runner.models.context, in its order) by `context_parallel`."""
+    split over a context axis (runner.models.context, in its order) by `context_parallel` (usp:
+    ulysses within groups of `ulysses_ways` shards)."""
     if impl == "auto":  # a config that did not go through `check`: the default backend decides
         impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
                        q.shape[1])
     if context.active(q.shape[1]):
         return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes, impl=impl,
-                                         whole_rows=whole_rows(impl))
+                                         whole_rows=whole_rows(impl), ulysses_ways=ulysses_ways)
     return ATTENTION.get(impl)(q, k, v, segment_ids, kv_axes=kv_axes)
 
 

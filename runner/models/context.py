@@ -14,6 +14,10 @@ across the split (`job.model.context_parallel`).
                count; the heads a shard holds (after mesh.tensor) must divide by C. Key/value heads
                that do not (grouped-query models with fewer of them than C) are repeated to one per
                query head first, and the launch says so.
+    usp        Unified sequence parallelism: ulysses within groups of `job.model.ulysses_ways`
+               consecutive shards, a ring of XLA blocks between the groups (each group's rows for a
+               share of the heads travel it): the all-to-alls stay within a group (a host, a
+               slice's fast links) while the ring spans the rest.
     auto       allgather.
 
 Layout. A causal row has more work at its end than at its start, so the row is not cut into C
@@ -115,23 +119,26 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq_len: int, ways: int,
-                 ring: bool) -> jax.Array:
+                 ring: bool, hop: int = 1) -> jax.Array:
     """One shard's queries against the row's key/value blocks, one block at a time into a running
     softmax (max, denominator, weighted values) in float32: the blocks gathered from every shard
     first (allgather), or passed around the ring of shards, the next transfer issued before this
     block's compute (ring). The running max is kept out of the gradient (any shift gives the same
-    result), and the backward pass recomputes each block's scores instead of keeping them."""
-    order = jnp.asarray(zigzag_order(seq_len, ways)).reshape(ways, -1)
-    me = jax.lax.axis_index(AXIS)
+    result), and the backward pass recomputes each block's scores instead of keeping them. Under
+    usp (`hop` > 1) a block is the rows of `hop` consecutive shards (a ulysses group, for this
+    shard's share of the heads) and the ring runs between groups, `hop` shards at a time."""
+    blocks = ways // hop
+    order = jnp.asarray(zigzag_order(seq_len, ways)).reshape(blocks, -1)
+    me = jax.lax.axis_index(AXIS) // hop
     qg = _grouped(q, k.shape[2])
     b, t, kh, g, h = qg.shape
     seg_own = seg if seg is not None else jnp.zeros((b, t), jnp.int32)
-    perm = [(j, (j + 1) % ways) for j in range(ways)]
+    perm = [(j, (j + hop) % ways) for j in range(ways)]
     gathered = None if ring else tuple(jax.lax.all_gather(a, AXIS) for a in (k, v, seg_own))  # (C, B, T/C, ...)
 
     def fold(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         out, top, total, *held = carry
-        source = (me - step) % ways
+        source = (me - step) % blocks
         if ring:
             k_blk, v_blk, s_blk = held
             held = [jax.lax.ppermute(a, AXIS, perm) for a in held]  # issued before the compute
@@ -149,7 +156,7 @@ def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Arr
 
     start = (jnp.zeros((b, kh, g, t, h), jnp.float32), jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
              jnp.zeros((b, kh, g, t), jnp.float32), *((k, v, seg_own) if ring else ()))
-    out, _, total, *_ = jax.lax.fori_loop(0, ways, jax.checkpoint(fold), start)
+    out, _, total, *_ = jax.lax.fori_loop(0, blocks, jax.checkpoint(fold), start)
     out = out / total[..., None]  # every query sees itself: total > 0
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
@@ -206,29 +213,55 @@ def _ulysses(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array],
     return jax.lax.all_to_all(out, AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
+def _usp(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq_len: int, ways: int,
+         hop: int) -> jax.Array:
+    """USP: within each group of `hop` consecutive shards an all-to-all gives every shard the
+    group's rows for 1/hop of its heads (ulysses); between the groups those rows' key/value blocks
+    travel a ring (`_fold_blocks`); an all-to-all in the group returns the output to its shards."""
+    groups = [list(range(start, start + hop)) for start in range(0, ways, hop)]
+
+    def exchange(x: jax.Array, split: int, concat: int) -> jax.Array:
+        return jax.lax.all_to_all(x, AXIS, split_axis=split, concat_axis=concat, tiled=True, axis_index_groups=groups)
+
+    q, k, v = (exchange(a, 2, 1) for a in (q, k, v))
+    if seg is not None:  # the group's rows: its slice of the whole row's (context-order) segment ids
+        share = hop * (seq_len // ways)
+        seg = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(seg, AXIS, axis=1, tiled=True),
+                                           (jax.lax.axis_index(AXIS) // hop) * share, share, axis=1)
+    return exchange(_fold_blocks(q, k, v, seg, seq_len, ways, ring=True, hop=hop), 1, 2)
+
+
 def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
-                      kv_axes: tuple[str, ...], impl: str = "xla", whole_rows: Optional[WholeRows] = None) -> jax.Array:
+                      kv_axes: tuple[str, ...], impl: str = "xla", whole_rows: Optional[WholeRows] = None,
+                      ulysses_ways: int = 0) -> jax.Array:
     """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
     the context axis in shard_map: `allgather` or `ring` (`auto`: allgather), by the splash kernel
-    (impl splash, where its tiles fit) or XLA blocks; or `ulysses`, whole rows for a share of the
-    heads attended by `whole_rows` (the implementation's own function on one device). Batch and
-    heads stay split as their logical axes say."""
+    (impl splash, where its tiles fit) or XLA blocks; `ulysses`, whole rows for a share of the
+    heads attended by `whole_rows` (the implementation's own function on one device); or `usp`,
+    ulysses within groups of `ulysses_ways` shards and a ring of XLA blocks between the groups.
+    Batch and heads stay split as their logical axes say."""
     mesh = jax.sharding.get_abstract_mesh()
     ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
     q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
-    ulysses = kind == "ulysses"
-    if kv_spec[2] != q_spec[2] or (ulysses and local_heads(k.shape[2], kv_spec[2], mesh) % ways):
-        # kv heads replicated while query heads are split, or too few to split over the context
-        # axis (ulysses): one kv head per query head
+    split = {"ulysses": ways, "usp": ulysses_ways}.get(kind, 1)  # the shards a device's heads are split over
+    if kind == "usp" and not (1 < split < ways and ways % split == 0):
+        raise ValueError(f"usp: ulysses_ways={ulysses_ways} must divide mesh.context={ways} and lie between them "
+                         "(runner.models.model_config resolves 0; runner.parallel.mesh.check_context refuses this)")
+    if kv_spec[2] != q_spec[2] or local_heads(k.shape[2], kv_spec[2], mesh) % split:
+        # kv heads replicated while query heads are split, or too few to split over the shards
+        # (ulysses, usp): one kv head per query head
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec
     interpret, kernel = impl == "splash_interpret", impl in SPLASH and splash_fits(kind, seq_len, ways)
-    if ulysses:
-        if whole_rows is None or local_heads(q.shape[2], q_spec[2], mesh) % ways:
-            raise ValueError(f"ulysses: {q.shape[2]} heads split as {q_spec[2]} do not divide over {ways} "
-                             "context shards (runner.parallel.mesh.check_context refuses this)")
+    if split > 1 and (local_heads(q.shape[2], q_spec[2], mesh) % split or ways % split
+                      or (kind == "ulysses" and whole_rows is None)):
+        raise ValueError(f"{kind}: {q.shape[2]} heads split as {q_spec[2]} do not divide over {split} of "
+                         f"{ways} context shards (runner.parallel.mesh.check_context refuses this)")
+    if kind == "ulysses":
         local = functools.partial(_ulysses, seq_len=seq_len, ways=ways, whole_rows=whole_rows)
+    elif kind == "usp":
+        local = functools.partial(_usp, seq_len=seq_len, ways=ways, hop=split)
     elif kernel and kind != "ring":
         return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=interpret)
     elif kernel:

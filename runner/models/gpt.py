@@ -45,6 +45,7 @@ class GPTConfig(Dtypes):
     param_dtype: str = "float32"
     attention: str = "auto"  # runner.models.attention
     context_parallel: str = "auto"  # runner.models.context
+    ulysses_ways: int = 0  # usp: the shards of each all-to-all group (runner.models.model_config resolves 0)
     remat: str = "auto"  # runner.models.common.remat_of
     use_bias: bool = True
     scan_layers: bool = True
@@ -104,7 +105,8 @@ class CausalSelfAttention(nn.Module):
         cfg = self.cfg
         q, k, v = (project_heads(cfg, x, cfg.n_heads, "heads", cfg.use_bias, n) for n in ("query", "key", "value"))
         if cache is None:
-            y = attend(cfg.attention, q, k, v, segment_ids, context_parallel=cfg.context_parallel)  # (B,T,N,H)
+            y = attend(cfg.attention, q, k, v, segment_ids, context_parallel=cfg.context_parallel,
+                       ulysses_ways=cfg.ulysses_ways)  # (B,T,N,H)
         else:
             y, cache = attend_cached(q, k, v, cache, index)
         y = merge_heads(cfg, y, cfg.use_bias)

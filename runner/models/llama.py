@@ -67,6 +67,7 @@ class LlamaConfig(Dtypes):
     param_dtype: str = "float32"
     attention: str = "auto"  # runner.models.attention
     context_parallel: str = "auto"  # runner.models.context
+    ulysses_ways: int = 0  # usp: the shards of each all-to-all group (runner.models.model_config resolves 0)
     remat: str = "auto"  # runner.models.common.remat_of
     scan_layers: bool = True
     moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
@@ -201,7 +202,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"),
-                       context_parallel=cfg.context_parallel)
+                       context_parallel=cfg.context_parallel, ulysses_ways=cfg.ulysses_ways)
         else:  # positions are index + t when decoding (Llama.hidden)
             y, cache = attend_cached(q, k, v, cache, index)
         return merge_heads(cfg, y, cfg.out_bias), cache

@@ -360,8 +360,8 @@ def attention_summary(job: Any) -> str:
         return impl
     kind = getattr(job.model_config, "context_parallel", "auto")
     kind = "allgather" if kind == "auto" else kind
-    if kind == "ulysses":
-        return ulysses_summary(job.model_config, impl, dict(job.mesh.shape))
+    if kind in ("ulysses", "usp"):
+        return ulysses_summary(job.model_config, impl, dict(job.mesh.shape), kind)
     if impl.startswith("splash") and kind == "ring":
         return f"{impl} kernel per block, key/value blocks passed around mesh.context={ways} (ring)"
     if impl.startswith("splash"):
@@ -369,16 +369,21 @@ def attention_summary(job: Any) -> str:
     return f"{impl} blocks, rows split over mesh.context={ways} ({kind})"
 
 
-def ulysses_summary(config: Any, impl: str, shape: dict[str, int]) -> str:
-    """Ulysses in words: the kernel on whole rows, the heads each context shard attends, and
-    whether the key/value heads had to be repeated to split over the axis."""
-    ways, tensor = int(shape.get("context", 1)), int(shape.get("tensor", 1))
+def ulysses_summary(config: Any, impl: str, shape: dict[str, int], kind: str = "ulysses") -> str:
+    """Ulysses (or usp) in words: the kernel on whole rows (or usp's groups and ring), the heads
+    each context shard attends, and whether the key/value heads had to be repeated to split."""
+    context, tensor = int(shape.get("context", 1)), int(shape.get("tensor", 1))
+    ways = config.ulysses_ways if kind == "usp" else context
     heads = config.n_heads
     kv_heads = getattr(config, "n_kv_heads", 0) or heads
     held = [h // tensor if h % tensor == 0 else h for h in (heads, kv_heads)]
     repeated = (f"; key/value heads repeated to one per query head ({held[1]} on a device do not split "
                 f"{ways} ways)") if held[1] % ways else ""
     per_device = held[0] // ways
+    if kind == "usp":
+        return (f"{impl} blocks, rows split over mesh.context={context} (usp): all-to-all within groups of {ways} "
+                f"shards, {per_device} head{'s' if per_device != 1 else ''} per device, a ring of "
+                f"{context // ways} groups{repeated}")
     return (f"{impl} on whole rows, {per_device} head{'s' if per_device != 1 else ''} per device, heads and "
             f"sequence exchanged by all-to-all over mesh.context={ways} (ulysses){repeated}")
 

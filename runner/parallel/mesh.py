@@ -158,6 +158,14 @@ def check_context(spec: Any, context: int, tensor: int = 0) -> None:
     if kind == "ulysses":
         check_ulysses(spec, context, tensor)
         return
+    if kind == "usp":
+        usp_ways(spec, context, tensor)
+        if attention not in ("auto", "xla"):
+            raise ConfigError("job.model.attention", attention, f"under usp (mesh.context={context}) the ring "
+                              "between the ulysses groups attends by XLA blocks here.",
+                              "use job.model.attention=auto or xla, or context_parallel=ulysses for the "
+                              "platform's kernel on whole rows.")
+        return
     if attention == "splash":
         ring = kind == "ring"
         tiles = context * 128 * (2 if ring else 1)
@@ -204,6 +212,25 @@ def check_ulysses(spec: Any, context: int, tensor: int = 0) -> None:
                           f"use a mesh.context that divides {heads}, or job.model.context_parallel=allgather or "
                           "ring (they split the sequence, not the heads).")
 
+
+
+def usp_ways(spec: Any, context: int, tensor: int = 0) -> int:
+    """The shards of each of usp's all-to-all groups: job.model.ulysses_ways, or (0) the largest
+    divisor of `context` below it that divides the query heads a device holds. A ConfigError
+    when the set value does not divide the context axis or the heads, or none fits."""
+    heads, _ = ulysses_heads(spec, tensor)
+    fits = [u for u in range(2, context) if context % u == 0 and heads % u == 0]
+    asked = spec.job.model.ulysses_ways
+    if asked == 0 and fits:
+        return fits[-1]
+    if asked in fits:
+        return asked
+    why = (f"it must divide mesh.context={context}, lie strictly between 1 and it, and divide the {heads} query "
+           f"heads a device holds (job.model.n_heads after mesh.tensor={tensor_ways(spec, tensor)})")
+    fix = (f"use job.model.ulysses_ways={' or '.join(map(str, fits))}" if fits else
+           "use context_parallel=ring or ulysses on this mesh: no group size fits") + " (or 0: the largest that fits)."
+    raise ConfigError("job.model.ulysses_ways", asked, f"usp splits mesh.context={context} into all-to-all groups "
+                      f"of this many shards and a ring between them; {why}.", fix)
 
 
 def check_spec(spec: Any) -> None:

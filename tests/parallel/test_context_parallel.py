@@ -44,8 +44,10 @@ for name, (Model, Family, cfg) in models.items():
     want, _ = run(cfg)
     for shape in ({"data": 1, "fsdp": 1, "context": 4, "tensor": 1}, {"data": 2, "fsdp": 1, "context": 2, "tensor": 1},
                   {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "context": 2, "tensor": 2}):
-        for kind in ("allgather", "ring", "ulysses"):
-            c = dataclasses.replace(cfg, context_parallel=kind)
+        for kind in ("allgather", "ring", "ulysses", "usp"):
+            if kind == "usp" and shape["context"] < 4:  # groups of 2 and a ring of 2: context 4 at least
+                continue
+            c = dataclasses.replace(cfg, context_parallel=kind, ulysses_ways=2 if kind == "usp" else 0)
             with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
                 got, text = run(c)
             key = name + "/" + "/".join(f"{k}{v}" for k, v in shape.items() if v > 1) + "/" + kind
@@ -60,17 +62,78 @@ print(json.dumps(out))
 @pytest.mark.e2e
 def test_context_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
     """(context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2), allgather,
-    ring and ulysses, for llama (GQA and MQA) and gpt: every logit and every gradient within float32
-    rounding. Ulysses there covers both of its head layouts: key/value heads that split over the
-    context axis (GQA's 2 over context 2) and ones repeated to one per query head (MQA; GQA's 2 over
-    context 4, or 1 per device beside tensor 2)."""
+    ring and ulysses (and usp on context 4: groups of 2, a ring of 2), for llama (GQA and MQA) and
+    gpt: every logit and every gradient within float32 rounding. Ulysses there covers both of its
+    head layouts: key/value heads that split over the context axis (GQA's 2 over context 2) and
+    ones repeated to one per query head (MQA; GQA's 2 over context 4, or 1 per device beside
+    tensor 2)."""
     out = run_script(EQUIVALENCE, tmp_path)
-    assert len(out) == 36
+    assert len(out) == 39
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
-        collective = {"ring": "permute", "allgather": "gather", "ulysses": "all_to_all"}[name.rsplit("/", 1)[1]]
-        assert result[collective], (name, result)
-        assert result["all_to_all"] == name.endswith("ulysses"), (name, result)  # heads travel only under ulysses
+        kind = name.rsplit("/", 1)[1]
+        collectives = {"ring": ["permute"], "allgather": ["gather"], "ulysses": ["all_to_all"],
+                       "usp": ["all_to_all", "permute"]}[kind]
+        assert all(result[c] for c in collectives), (name, result)
+        assert result["all_to_all"] == (kind in ("ulysses", "usp")), (name, result)  # heads travel only there
+
+
+EQUIVALENCE_8 = """
+import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+from runner.parallel.mesh import make_mesh
+from runner.models.llama import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from tests.models.test_moe import moe_config
+from tests.parallel.equivalence import logits_and_grads, relative_error
+
+tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 32), 0, 64)
+# 8 shards: chunks of 2 tokens; document edges on chunk edges and inside chunks, a padded tail
+seg = np.array([[1] * 5 + [2] * 3 + [3] * 5 + [4] * 11 + [5] * 8, [1] * 32, [1] * 16 + [2] * 12 + [0] * 4,
+                [1] * 7 + [2] * 25])
+starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1) != 0, np.arange(32), 0), axis=1)
+positions, seg = jnp.asarray(np.arange(32) - starts), jnp.asarray(seg)
+llama = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48)
+models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
+          "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
+          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)),
+          "moe": (Llama, LlamaFamily, dataclasses.replace(moe_config(n_shared_experts=1), context_length=32))}
+cases = {"llama_gqa": [({"context": 8}, "usp", 2), ({"context": 8}, "usp", 4), ({"data": 2, "context": 4}, "usp", 2),
+                       ({"context": 4, "tensor": 2}, "usp", 2), ({"data": 2, "context": 4}, "ulysses", 0),
+                       ({"fsdp": 2, "context": 4}, "ring", 0)],
+         "llama_mqa": [({"context": 8}, "usp", 4), ({"context": 4, "tensor": 2}, "usp", 2)],
+         "gpt": [({"context": 8}, "usp", 2), ({"fsdp": 2, "context": 4}, "ulysses", 0)],
+         "moe": [({"expert": 2, "context": 4}, "usp", 2), ({"expert": 2, "context": 4}, "ulysses", 0)]}
+out = {}
+for name, (Model, Family, cfg) in models.items():
+    params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
+    reference = dataclasses.replace(cfg, moe_dispatch="dense") if name == "moe" else cfg
+    want, _ = logits_and_grads(Model(reference), params, tokens, seg, positions)
+    for axes, kind, ways in cases[name]:
+        shape = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **axes}
+        c = dataclasses.replace(cfg, context_parallel=kind, ulysses_ways=ways)
+        with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
+            got, text = logits_and_grads(Model(c), params, tokens, seg, positions)
+        key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items()) + "/" + kind + (str(ways) if ways else "")
+        out[key] = {"error": relative_error(got, want), "all_to_all": "all-to-all" in text or "all_to_all" in text,
+                    "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.e2e
+def test_on_8_devices_usp_ulysses_and_ring_give_the_one_device_logits_and_gradients(tmp_path) -> None:
+    """8 CPU devices: usp with groups of 2 (a ring of 4) and of 4 (a ring of 2) over context 8, and
+    beside data, tensor and expert axes; ulysses beside data, fsdp and expert; ring beside fsdp;
+    for llama (GQA, MQA), gpt and an MoE (against its dense dispatch), with packed documents:
+    every logit and every gradient within float32 rounding of one device."""
+    out = run_script(EQUIVALENCE_8, tmp_path, devices=8)
+    assert len(out) == 12
+    for name, result in out.items():
+        assert result["error"] < 1e-5, (name, result)
+        kind = name.rsplit("/", 1)[1]
+        assert result["all_to_all"] == (not kind.startswith("ring")), (name, result)
+        if kind.startswith(("usp", "ring")):
+            assert result["permute"], (name, result)  # the ring between the groups
 
 
 SPLASH_EQUIVALENCE = """
@@ -196,8 +259,9 @@ def losses(run_dir) -> dict[int, float]:
 @pytest.mark.e2e
 def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_context_size(tmp_path) -> None:
     """30 steps of packed documents through `python -m runner`: (data 2, context 2) by allgather
-    and by ulysses, and (context 4) by ring, match one device; a run killed at step 22 resumes
-    bit-exact on the same mesh (allgather, and ulysses), and on (context 4) onto the same curve."""
+    and by ulysses, (context 4) by ring and by usp (groups of 2, a ring of 2), match one device; a
+    run killed at step 22 resumes bit-exact on the same mesh (allgather, ulysses and usp), and on
+    (context 4) onto the same curve."""
     from tests.train.test_restore import params_of
 
     one = run_runner([*RUN, "run.dir=one"], tmp_path)
@@ -206,18 +270,20 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
     assert sorted(want) == list(range(1, 31)) and want[30] < want[1]
     dc, ulysses = (["mesh.data=2", "mesh.context=2", f"job.model.context_parallel={kind}"]
                    for kind in ("allgather", "ulysses"))
+    usp = ["mesh.data=1", "mesh.context=4", "job.model.context_parallel=usp", "job.model.ulysses_ways=2"]
     for name, extra in (("dc", dc), ("c", ["mesh.data=1", "mesh.context=4", "job.model.context_parallel=ring"]),
-                        ("u", ulysses)):
+                        ("u", ulysses), ("p", usp)):
         assert_same_losses(RUN, tmp_path, name, extra, want)
     assert "(ulysses)" in (tmp_path / "u" / "RUN_CARD.md").read_text()
+    assert "(usp): all-to-all within groups of 2 shards" in (tmp_path / "p" / "RUN_CARD.md").read_text()
 
     for name, mesh, again_mesh in (("same", dc, dc), ("moved", dc, ["mesh.data=1", "mesh.context=4"]),
-                                   ("ulysses", ulysses, ulysses)):
+                                   ("ulysses", ulysses, ulysses), ("usp", usp, usp)):
         killed = run_runner([*RUN, f"run.dir={name}", *mesh], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:22")
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         again = run_runner([*RUN, f"run.dir={name}", *again_mesh], tmp_path, devices=4)
         assert again.returncode == 0 and "resumed from step 20 " in again.stdout, again.stderr[-3000:]
-    for name, whole in (("same", "dc"), ("ulysses", "u")):  # the uninterrupted runs on the same mesh
+    for name, whole in (("same", "dc"), ("ulysses", "u"), ("usp", "p")):  # uninterrupted, on the same mesh
         for a, b in zip(params_of(tmp_path / name, 30), params_of(tmp_path / whole, 30), strict=True):
             np.testing.assert_array_equal(a, b)
     moved = losses(tmp_path / "moved")
@@ -332,6 +398,47 @@ def test_ulysses_refuses_heads_that_do_not_split_over_the_context_axis_and_says_
                     "mesh.context=4 (ulysses); key/value heads repeated to one per query head (2 on a device do "
                     "not split 4 ways)"), line
     assert "repeated" not in ulysses_summary(config, "splash", {"context": 2, "tensor": 1})
+
+
+def test_usp_takes_the_largest_group_that_fits_or_the_one_asked_and_refuses_what_cannot_split() -> None:
+    """usp: all-to-all groups of job.model.ulysses_ways shards (0: the largest divisor of
+    mesh.context below it that divides the heads a device holds), a ring between them. A group
+    size that does not divide the axis or the heads, a context axis with no group size (2, or
+    prime), ulysses_ways under another kind, and the splash or cuDNN kernel (usp's ring is XLA
+    blocks here) are refused naming the key and the fix; the launch line names the groups."""
+    from runner.models import model_config
+    from runner.parallel.compile import ulysses_summary
+    from runner.parallel.mesh import check_spec, usp_ways
+    from runner.spec import ExecutionSpec, MeshSpec, ModelSpec, TrainSpec, validate
+
+    def spec_of(heads: int, ways: int = 0, kind: str = "usp", attention: str = "auto", topology: str = "cpu-8",
+                **mesh: int) -> ExecutionSpec:
+        spec = ExecutionSpec(topology=topology)
+        return dataclasses.replace(spec, mesh=MeshSpec(data=1, **mesh), train=TrainSpec(seq_len=64, batch_size=8),
+                                   job=dataclasses.replace(spec.job, model=ModelSpec(
+                                       family="llama", n_heads=heads, n_kv_heads=2, context_parallel=kind,
+                                       ulysses_ways=ways, attention=attention)))
+
+    assert usp_ways(spec_of(8, context=8), 8) == 4  # 2 and 4 fit: the largest
+    assert usp_ways(spec_of(8, 2, context=8), 8) == 2
+    assert usp_ways(spec_of(4, context=4, tensor=2), 4) == 2  # 2 heads a device
+    check_spec(spec_of(4, context=8))
+    assert model_config(spec_of(4, context=8)).ulysses_ways == 4 and model_config(spec_of(4, context=8)).attention \
+        == "xla"
+    with pytest.raises(ConfigError, match=r"job.model.ulysses_ways.*usp splits mesh.context=8.*divide the 4 query "
+                       r"heads.*use job.model.ulysses_ways=2 or 4"):
+        check_spec(spec_of(4, 8, context=8))
+    with pytest.raises(ConfigError, match=r"ulysses_ways.*mesh.context=2.*use context_parallel=ring or ulysses"):
+        check_spec(spec_of(4, context=2, topology="cpu-2"))
+    with pytest.raises(ConfigError, match=r"job.model.ulysses_ways.*only context_parallel=usp.*it is ring"):
+        validate(spec_of(4, 2, kind="ring", context=8))
+    for attention in ("splash", "cudnn"):
+        with pytest.raises(ConfigError, match=r"job.model.attention.*under usp.*XLA blocks.*auto or xla"):
+            check_spec(spec_of(4, attention=attention, context=8))
+    config = model_config(spec_of(4, context=8))
+    assert ulysses_summary(config, "xla", {"context": 8, "tensor": 1}, "usp") == (
+        "xla blocks, rows split over mesh.context=8 (usp): all-to-all within groups of 4 shards, 1 head per device, "
+        "a ring of 2 groups; key/value heads repeated to one per query head (2 on a device do not split 4 ways)")
 
 
 @pytest.mark.parametrize("kind, seq_len, attention", [("auto", 512, "splash"), ("ring", 1024, "splash"),
