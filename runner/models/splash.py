@@ -34,12 +34,32 @@ def block_sizes(block: int) -> Any:
 def causal_kernel(heads: int, seq_len: int, interpret: bool) -> Any:
     """A causal splash MQA kernel for `heads` query heads sharing one key/value head. Built while
     tracing (its mask tables become constants of the traced function; a cached kernel would leak
-    one trace's arrays into the next)."""
+    one trace's arrays into the next). The mask is the placed causal mask with every query in its
+    own place: splash's own CausalMask is evaluated entry by entry when its tables are built
+    (quadratic: 7 s at 32,768 tokens, hours at a million)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    mask = sa.MultiHeadMask([_placed_causal_mask()(np.arange(seq_len)) for _ in range(heads)])
     return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(seq_len)), head_shards=1, q_seq_shards=1,
                               interpret=interpret)
+
+
+class _UniformBlock(np.ndarray):
+    """A mask block of one value: a read-only broadcast of it to the block's shape, whose any() and
+    all() answer at once (splash asks them of every block; on a 512 x 512 view numpy would still
+    visit each entry)."""
+
+    def any(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return bool(self.flat[0]) if not args and not kwargs and self.size else super().any(*args, **kwargs)
+
+    def all(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return bool(self.flat[0]) if not args and not kwargs and self.size else super().all(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_block(value: bool, shape: tuple[int, int]) -> np.ndarray:
+    """`value` broadcast to `shape`, read-only, one object per (value, shape)."""
+    return np.broadcast_to(np.bool_(value), shape).view(_UniformBlock)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +75,27 @@ def _placed_causal_mask() -> type:
             seq_len = len(q_positions)
             super().__init__(shape=(seq_len, seq_len), mask_function=lambda q_ids, kv_ids: q_ids >= kv_ids)
             self.q_sequence = np.asarray(q_positions, dtype=np.int32)
+            self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
+
+        def __getitem__(self, idx: Any) -> np.ndarray:
+            """One block of the mask. Splash builds its tables by asking for every (query block, key
+            block) pair and reads only whether a block is empty, full or partial, and a partial
+            block's entries: a block whose keys all come after (or all at or before) every query's
+            place is answered without evaluating it (`_uniform_block`), so the tables of a
+            million-token row cost the diagonal's blocks, not 10^12 entries."""
+            q_slice, kv_slice = idx
+            q0, q1, kv0, kv1 = q_slice.start, q_slice.stop, kv_slice.start, kv_slice.stop
+            if None in (q0, q1, kv0, kv1) or q_slice.step not in (None, 1) or kv_slice.step not in (None, 1):
+                return super().__getitem__(idx)
+            bounds = self._bounds.get((q0, q1))
+            if bounds is None:
+                rows = self.q_sequence[q0:q1]
+                bounds = self._bounds[(q0, q1)] = (int(rows.min()), int(rows.max())) if rows.size else (0, -1)
+            if kv1 - 1 <= bounds[0]:  # every key at or before every query
+                return _uniform_block(True, (q1 - q0, kv1 - kv0))
+            if kv0 > bounds[1]:  # every key after every query
+                return _uniform_block(False, (q1 - q0, kv1 - kv0))
+            return super().__getitem__(idx)
 
         def __eq__(self, other: object) -> bool:
             return isinstance(other, PlacedCausalMask) and np.array_equal(self.q_sequence, other.q_sequence)

@@ -248,3 +248,41 @@ def test_precision_knobs_store_parameters_and_optimizer_state_as_asked() -> None
     wide = build_optimizer("adamw", 1e-2).init(bf16)
     assert {x.dtype for x in jax.tree.leaves(wide) if jnp.issubdtype(x.dtype, jnp.floating)} == {
         jnp.dtype("float32")}
+
+
+@pytest.mark.parametrize("seq_len, block, ways", [(1024, 128, 1), (2048, 512, 1), (4096, 256, 1), (2048, 256, 2),
+                                                  (4096, 128, 4)])
+def test_the_splash_mask_tables_are_splash_s_own_built_without_evaluating_every_entry(seq_len: int, block: int,
+                                                                                      ways: int) -> None:
+    """runner's causal masks answer the blocks wholly before or after every query without
+    evaluating them (what lets a million-token row's kernel be built: 70 s here, hours entry by
+    entry); the forward and backward tables splash builds from them are exactly the ones it builds
+    from its own CausalMask (whole rows) and from the same placed mask evaluated entry by entry
+    (the zig-zag order of `ways` context shards)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
+
+    from runner.models import splash
+    from runner.models.context import zigzag_order
+
+    placed = splash._placed_causal_mask()
+
+    class EntryByEntry(placed):  # type: ignore[misc, valid-type]
+        def __getitem__(self, idx: object) -> np.ndarray:
+            return sa.splash_attention_mask._ComputableMask.__getitem__(self, idx)
+
+    def tables(mask: object) -> list[object]:
+        return [info._process_mask(sa.MultiHeadMask([mask]), (block, block), dkv, q_seq_shards=ways)[0]
+                for dkv in (False, True)]
+
+    order = zigzag_order(seq_len, ways) if ways > 1 else np.arange(seq_len)
+    want = tables(sa.CausalMask((seq_len, seq_len)) if ways == 1 else EntryByEntry(order))
+    got = tables(placed(order))
+    for a, b in zip(got, want, strict=True):
+        for field in a._fields:
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None) == (y is None), field
+            if x is not None:
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=field)
+    assert any(isinstance(placed(order)[0:block, k:k + block], splash._UniformBlock)
+               for k in range(block, seq_len, block))  # blocks after the first queries: answered at once
