@@ -438,9 +438,11 @@ def _analytic_flops(job: Any) -> float | None:
     return fpt * t.batch_size * t.seq_len
 
 
-def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> CompileReport:
+def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any],
+                   progress: Callable[[str], None] = lambda line: None) -> CompileReport:
     """Build the job (`job_class(spec, devices=...)`, the class job.trainer names) on the
-    topology's devices, lower and compile its train step, and size it."""
+    topology's devices, lower and compile its train step, and size it; `progress` is told each
+    stage as it starts (a long row's trace and XLA's compile each take minutes)."""
     import jax
 
     topology = parse_topology(spec.topology)
@@ -466,8 +468,11 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
         optimizer_state_dtype=spec.optimizer.state_dtype,
     )
     start = time.perf_counter()
+    progress(f"mode=compile: tracing the train step ({spec.train.batch_size} x {spec.train.seq_len} tokens, "
+             f"{len(devices)} devices; attention {report.attention}) ...")
     with job.program.context():
         lowered = step.lower(abstract, batch)
+    progress(f"mode=compile: traced in {time.perf_counter() - start:.1f} s; XLA is compiling it for {topology.name} ...")
     report.quantization = str(getattr(job, "quantization", ""))  # traced now: the modules are known
     rate = getattr(topology.chip, f"peak_{spec.job.model.quantization}_ops", None) if report.quantization else None
     report.format_peak_per_device = rate / topology.chip.devices_per_chip if rate else None
@@ -483,6 +488,11 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
         report.available_bytes = _bytes_in(_AVAILABLE, message)
         return report
     report.compile_seconds = time.perf_counter() - start
+    return _read_compiled(report, compiled, limit)
+
+
+def _read_compiled(report: CompileReport, compiled: Any, limit: int | None) -> CompileReport:
+    """The compiled step's memory, FLOPs and kernels into `report`, and whether it fits `limit`."""
     stats = compiled.memory_analysis()
     if stats is not None:
         report.memory = MemoryUse(
@@ -490,17 +500,18 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any]) -> Compil
             alias=int(stats.alias_size_in_bytes), temp=int(stats.temp_size_in_bytes),
             generated_code=int(stats.generated_code_size_in_bytes))
     report.flops_per_device = _flops(compiled)
+    text = compiled.as_text()
     if report.quantization:
-        report.quantized_matmuls = quantized_matmuls(compiled.as_text())
-    report.kernels = fused_kernels(compiled.as_text())
-    report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in compiled.as_text()
+        report.quantized_matmuls = quantized_matmuls(text)
+    report.kernels = fused_kernels(text)
+    report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in text
     report.fits = report.memory is None or limit is None or report.memory.total <= limit
     return report
 
 
 def run_compile(spec: ExecutionSpec, job_class: Callable[..., Any]) -> int:
     """mode=compile: print the report and its JSON line; the exit code says whether it fits."""
-    report = compile_report(spec, job_class)
+    report = compile_report(spec, job_class, progress=lambda line: print(line, flush=True))
     print(report.text(), flush=True)
     print(report.to_json(), flush=True)
     return 0 if report.fits else DOES_NOT_FIT_EXIT_CODE

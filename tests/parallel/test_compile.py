@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,9 @@ def test_cpu_4_compiles_for_four_local_devices(tmp_path: Path) -> None:
     report = _summary(proc.stdout)
     assert (report["devices"], report["mesh"]["data"], report["fits"], report["attention"]) == (4, 4, True, "xla")
     assert report["memory"]["total"] > 0 and "host RAM / 4 devices" in proc.stdout
+    # each stage said as it starts (a long row's trace and XLA's compile each take minutes)
+    assert "mode=compile: tracing the train step (32 x 32 tokens, 4 devices; attention xla) ..." in proc.stdout
+    assert re.search(r"mode=compile: traced in [\d.]+ s; XLA is compiling it for cpu-4 \.\.\.", proc.stdout)
 
 
 @pytest.mark.e2e
