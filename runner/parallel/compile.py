@@ -136,7 +136,9 @@ class CompileReport:
             if self.available_bytes is not None:
                 said.append(f"{_size(self.available_bytes)} usable")
             said.append(f"{limit} {self.limit_source}")
-            lines.append(f"  the compiler ran out of device memory ({', '.join(said)}):")
+            lines.append("  the attention kernel's block tables do not fit the chip's scalar memory (SMEM):"
+                         if kernel_tables_overflow(self.compiler_error or "") else
+                         f"  the compiler ran out of device memory ({', '.join(said)}):")
             lines.append(f"    {self.compiler_error}")
         lines.append("")
         flops = []
@@ -352,6 +354,25 @@ def _advice(spec: Any, mesh: dict[str, int]) -> str:
     return ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1]
 
 
+def kernel_tables_overflow(message: str) -> bool:
+    """Whether XLA's out-of-memory is a Pallas kernel's prefetched tables overflowing the chip's
+    scalar memory (splash's block tables grow with the square of the row in blocks), not HBM."""
+    return "space=smem" in message
+
+
+def _tables_advice(spec: Any, mesh: dict[str, int]) -> str:
+    """What fits a row whose splash tables do not: tables per device's share of the row."""
+    kind, seq_len = spec.job.model.context_parallel, spec.train.seq_len
+    whole = kind == "ulysses" or mesh.get("context", 1) == 1
+    reason = (f"the splash kernel's block tables for whole {seq_len:,}-token rows exceed the chip's scalar memory"
+              if whole else f"the splash kernel's block tables for this split of {seq_len:,}-token rows exceed "
+              "the chip's scalar memory")
+    if whole and mesh.get("context", 1) > 1:
+        return (f"{reason}; use job.model.context_parallel=allgather or ring (each device's tables cover its share "
+                "of the row), or a shorter train.seq_len")
+    return f"{reason}; split each row over more devices with mesh.context, or use job.model.attention=xla"
+
+
 def attention_summary(job: Any) -> str:
     """The attention the step runs: the implementation, and how rows split over a context axis
     are attended across it."""
@@ -484,6 +505,8 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any],
             raise
         report.compile_seconds = time.perf_counter() - start
         report.compiler_error = " ".join(message.split())[:500]
+        if kernel_tables_overflow(message):
+            report.advice = _tables_advice(spec, dict(job.mesh.shape))
         report.required_bytes = _bytes_in(_REQUIRED, message)
         report.available_bytes = _bytes_in(_AVAILABLE, message)
         return report

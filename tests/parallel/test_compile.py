@@ -205,3 +205,34 @@ def test_the_advice_leaves_out_what_is_already_in_force() -> None:
     assert _advice(tight, {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}) == \
         "split each row over more devices with mesh.context (context parallelism; mesh.context=1 now), " \
         "or pick a larger slice"
+
+
+def test_kernel_tables_past_the_scalar_memory_are_told_apart_from_hbm_with_their_own_fix() -> None:
+    """A splash kernel whose block tables overflow the chip's scalar memory (llama3_8b's whole
+    1,048,576-token rows under ulysses on v5p-256: 8 MiB of tables against 1 MiB of SMEM) is not
+    an HBM shortfall: the report says which memory, and the fix is tables per device's share of
+    the row (allgather or ring), not more devices or remat."""
+    import dataclasses
+
+    from runner.parallel.compile import CompileReport, _tables_advice, kernel_tables_overflow
+    from runner.spec import ExecutionSpec, ModelSpec, TrainSpec
+
+    error = ("RESOURCE_EXHAUSTED: Allocation (size=8388608) would exceed memory (size=1048576) :: #allocation6 "
+             "[shape = 'u8[8388608]{0}', space=smem, size = 0x800000, scoped, tag = 'prefetched SMEM operand 0'] "
+             ":: splash_mqa_fwd_residuals.3")
+    assert kernel_tables_overflow(error) and not kernel_tables_overflow("RESOURCE_EXHAUSTED: Used 129G of 95G hbm")
+    spec = ExecutionSpec(topology="v5p-256")
+    spec = dataclasses.replace(spec, train=TrainSpec(seq_len=1048576, batch_size=4), job=dataclasses.replace(
+        spec.job, model=ModelSpec(context_parallel="ulysses")))
+    advice = _tables_advice(spec, {"fsdp": 4, "context": 32})
+    assert advice.startswith("the splash kernel's block tables for whole 1,048,576-token rows exceed the chip's "
+                             "scalar memory; use job.model.context_parallel=allgather or ring"), advice
+    report = CompileReport(job="llama3_8b", topology="v5p-256", devices=128, device_kind="TPU v5", mesh={},
+                           batch_size=4, seq_len=1048576, accumulate_steps=1, parameters=8, limit_bytes=95 << 30,
+                           limit_source="v5p HBM (nominal)", fits=False, compile_seconds=1.0, compiler_error=error,
+                           advice=advice)
+    text = report.text()
+    assert "the attention kernel's block tables do not fit the chip's scalar memory (SMEM):" in text
+    assert "ran out of device memory" not in text and "fits: NO" in text and "allgather or ring" in text
+    split = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(context_parallel="ring")))
+    assert "split each row over more devices with mesh.context" in _tables_advice(split, {"context": 32})
