@@ -194,7 +194,8 @@ class ModelSpec(_Frozen):
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
             ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("auto", "none", "full", "dots")),
-            ("context_parallel", ("auto", "allgather", "ring", "ulysses", "usp")), ("ulysses_ways", ">= 0"), ("quantization_scaling", ("auto", "channel", "tensor")),
+            ("context_parallel", ("auto", "allgather", "ring", "ulysses", "usp")), ("ulysses_ways", ">= 0"),
+            ("quantization_scaling", ("auto", "channel", "tensor")),
             ("activation", ("", *ACTIVATIONS))))
         if self.ulysses_ways and self.context_parallel != "usp":
             raise ConfigError("job.model.ulysses_ways", self.ulysses_ways, "only context_parallel=usp splits the "

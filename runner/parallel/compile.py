@@ -493,7 +493,8 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any],
              f"{len(devices)} devices; attention {report.attention}) ...")
     with job.program.context():
         lowered = step.lower(abstract, batch)
-    progress(f"mode=compile: traced in {time.perf_counter() - start:.1f} s; XLA is compiling it for {topology.name} ...")
+    progress(f"mode=compile: traced in {time.perf_counter() - start:.1f} s; XLA is compiling it for "
+             f"{topology.name} ...")
     report.quantization = str(getattr(job, "quantization", ""))  # traced now: the modules are known
     rate = getattr(topology.chip, f"peak_{spec.job.model.quantization}_ops", None) if report.quantization else None
     report.format_peak_per_device = rate / topology.chip.devices_per_chip if rate else None

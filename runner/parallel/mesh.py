@@ -213,7 +213,6 @@ def check_ulysses(spec: Any, context: int, tensor: int = 0) -> None:
                           "ring (they split the sequence, not the heads).")
 
 
-
 def usp_ways(spec: Any, context: int, tensor: int = 0) -> int:
     """The shards of each of usp's all-to-all groups: job.model.ulysses_ways, or (0) the largest
     divisor of `context` below it that divides the query heads a device holds. A ConfigError
