@@ -9,9 +9,9 @@ across the split (`job.model.context_parallel`).
     ulysses    DeepSpeed-Ulysses: an all-to-all over the context axis turns each shard's slice of
                the row (all its heads) into the whole row for 1/C of the heads; attention runs on
                whole rows with the platform's own kernel (splash, cuDNN or XLA, document masks
-               included), and an all-to-all turns the heads back into sequence shards. Two
-               all-to-alls of q, k, v and the output per layer, independent of the row's length in
-               count; the heads a shard holds (after mesh.tensor) must divide by C. Key/value heads
+               included), and an all-to-all turns the heads back into sequence shards: four
+               all-to-alls a layer (q, k, v, the output). The heads a shard holds (after
+               mesh.tensor) must divide by C. Key/value heads
                that do not (grouped-query models with fewer of them than C) are repeated to one per
                query head first, and the launch says so.
     usp        Unified sequence parallelism: ulysses within groups of `job.model.ulysses_ways`
