@@ -24,7 +24,7 @@ def logits_and_grads(model: Any, params: Any, tokens: jax.Array, segment_ids: ja
 def relative_error(got: Any, want: Any) -> float:
     """The largest difference of any leaf, relative to that leaf's largest magnitude (at least 1).
     In numpy, on the gathered leaves: on the device every leaf's shape and layout would compile
-    three small programs of its own (a tenth of a script's time)."""
+    three small programs of its own (a quarter of a script's time)."""
     import numpy as np
 
     return max(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1.0)
