@@ -369,7 +369,7 @@ def test_what_cannot_run_context_parallel_is_refused() -> None:
 
 def test_ulysses_refuses_heads_that_do_not_split_over_the_context_axis_and_says_when_it_repeats_kv() -> None:
     """Ulysses hands each context shard whole rows for a share of the heads a device holds (after
-    mesh.tensor): 4 heads split 4 or 2 ways; 6 do not split 4 ways, nor 4 heads 2 ways beside
+    mesh.tensor): 4 heads split 4 or 2 ways; 6 do not split 4 ways, nor 2 (of 4) 4 ways beside
     tensor 2 (refused, naming the key and the fix). Key/value heads that do not split are
     repeated, and the launch's attention line says so; cuDNN is allowed (whole rows)."""
     from runner.parallel.compile import ulysses_summary
