@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in-process model tests (tests/models/test_moe_hf.py: 122 s -> 62 s) and takes a fifth off a tiny
 # run's process (24 steps, nothing cached: 9.7 -> 7.9 CPU-seconds), but runs the compiled code at
 # half speed. So the tests and the processes they start compile at level 0, except the few runs
-# that learn for 150 steps or more, which ask for level 1 (`xla_flags(..., LEARNING)`): it compiles
+# that learn for 100 steps or more, which ask for level 1 (`xla_flags(..., LEARNING)`): it compiles
 # almost as fast as 0 (76 s) and runs as fast as 2 (llama_tiny, 100 steps: train 6.7 s against
 # 7.6 s). No level changes what is computed (no fast-math at any level).
 COMPILING, LEARNING = 0, 1  # XLA CPU levels: for what mostly compiles, for what trains a while

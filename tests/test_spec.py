@@ -133,12 +133,8 @@ def test_no_function_in_the_spec_module_is_longer_than_60_lines() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
-    (["train.stepz=3"], "train.stepz"),
-    (["train.steps=abc"], "train.steps"),
-    (["job=gpt_huge"], "gpt_tiny"),
-    (["optimizer.lr=0"], "optimizer.lr"),
-    (["optimizer.name=adamq"], "adamw, "),
-    (["optimizer.lr=abc"], "could not be converted to Float"),  # Hydra's cause kept
+    (["train.stepz=3"], "train.stepz"),  # found by Hydra's composition
+    (["optimizer.lr=0"], "optimizer.lr"),  # found when the spec is built
     (["--cfg", "job", "train.stepz=3"], "runner has no setting of that name"),  # --cfg: runner's paragraph
     (["--cfg", "job", "optimizer.b1=1.5"], "optimizer.b1"),  # --cfg checks the spec as a run does
 ])
@@ -148,6 +144,28 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path, args: list[str], nee
     assert "Traceback" not in result.stderr + result.stdout
     assert needle in result.stderr and "+train" not in result.stderr  # never advice runner then refuses
     assert not (tmp_path / "runs").exists()  # nothing written for a rejected config
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train.steps=abc"], "train.steps"),
+    (["job=gpt_huge"], "gpt_tiny"),
+    (["optimizer.name=adamq"], "adamw, "),
+    (["optimizer.lr=abc"], "could not be converted to Float"),  # Hydra's cause kept
+])
+def test_more_user_errors_are_the_same_exit_2_paragraph_in_process(tmp_path, monkeypatch, capsys, args: list[str],
+                                                                   needle: str) -> None:
+    """The check `python -m runner` makes of its command line (composed, then built into a spec as a
+    run builds it), in this process, on more mistakes: exit 2, one paragraph, nothing written."""
+    from runner.main.cli import precheck, prepare
+
+    monkeypatch.chdir(tmp_path)
+    prepare()
+    with pytest.raises(SystemExit) as exit_:
+        precheck(args, build=True)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err and "+train" not in err, err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.e2e

@@ -128,23 +128,23 @@ def two_process_reference_on(mesh: list[str]) -> Path:
     return shared_run("-".join(["two-process-reference", *mesh]), make)
 
 
-@pytest.fixture(scope="module")
-def two_process_reference() -> Path:
-    return two_process_reference_on([])
+REPLICATED = ["mesh.data=2", "mesh.fsdp=2"]  # the data axis across the two processes: each holds a whole copy
 
 
 @pytest.mark.e2e
-def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, two_process_reference) -> None:
+def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path) -> None:
+    """Two processes x two devices on data=2 x fsdp=2: the state split by fsdp within each process
+    and copied across them by the data axis."""
     local = tmp_path / "local"
-    args = [*BASE, *TIERS, "run.dir=run", f"checkpoint.local.dir={local}"]
+    args = [*BASE, *TIERS, *REPLICATED, "run.dir=run", f"checkpoint.local.dir={local}"]
 
     # 1. killed while the local save of step 12 is being written (that save waited for 10's)
     killed(launched(args, tmp_path, RUNNER_FAULT="kill_after_save:12"))
     assert durable_steps(tmp_path / "run") == [8]
     held = local_steps(local)
     assert set(held) == {"process-0", "process-1"} and all(10 in steps for steps in held.values()), held
-    # 12 if either committed it in time: the state is replicated over the data axis (the default
-    # mesh, data=4 across both processes), so one process's copy of a step is the whole step
+    # 12 if either committed it in time: the state is copied over the data axis (across both
+    # processes), so one process's copy of a step is the whole step
     newest = max(set.union(*(set(s) for s in held.values())))
 
     # 2. the newest step is newer than the durable tier's 8: restored from the local tier
@@ -179,7 +179,7 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
     for code, _, stderr in final:
         assert code == 0, stderr[-3000:]
     assert "resumed from step 8 (" in final[0][1]
-    assert_bitwise(tmp_path / "run", two_process_reference)
+    assert_bitwise(tmp_path / "run", two_process_reference_on(REPLICATED))
     card = (tmp_path / "run" / "RUN_CARD.md").read_text()
     assert "local every 2 steps, keep 2" in card
     goodput = [r for r in read_metrics(tmp_path / "run") if "goodput/launches" in r][-1]
@@ -187,15 +187,13 @@ def test_two_processes_resume_from_the_freshest_tier_and_end_bitwise(tmp_path, t
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mesh, replicated", [(["mesh.data=2", "mesh.fsdp=2"], True),
-                                              (["mesh.data=1", "mesh.fsdp=4"], False)], ids=["data2-fsdp2", "fsdp4"])
-def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_restored(tmp_path, mesh, replicated) -> None:
-    """Two processes x two devices. Killed during the durable save of step 8, then at step 13;
-    process 1's local directory deleted (a replaced host); rerun to the end. With data=2 x fsdp=2
-    (the data axis across the processes) process 0 holds a copy of every shard of process 1: step 12
-    is restored from the local tier with process 1's shards rebuilt. With fsdp=4 the state is split
-    over both processes and process 0's copy is half of it: the durable tier's 8 is restored. Both
-    end bit-exact with an uninterrupted run on the same mesh."""
+def test_a_replaced_host_without_replicas_restores_the_durable_tier(tmp_path) -> None:
+    """Two processes x two devices on fsdp=4. Killed during the durable save of step 8, then at step
+    13; process 1's local directory deleted (a replaced host); rerun to the end. The state is split
+    over both processes and process 0's copy is half of it: the durable tier's 8 is restored, and
+    the run ends bit-exact with an uninterrupted run on the same mesh. (With a data axis across the
+    processes, process 0's copy rebuilds process 1's shards: the test above, step 3.)"""
+    mesh = ["mesh.data=1", "mesh.fsdp=4"]
     local = tmp_path / "local"
     args = [*BASE, *TIERS, *mesh, "run.dir=run", f"checkpoint.local.dir={local}"]
     reference = two_process_reference_on(mesh)
@@ -205,7 +203,7 @@ def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_resto
     durable = durable_steps(tmp_path / "run")
     assert durable in ([], [8]), durable
     held = [set(steps) for steps in local_steps(local).values()]  # 2, 4 and 6, as far as each got
-    resumed = 8 if durable else max((set.union if replicated else set.intersection)(*held))
+    resumed = 8 if durable else max(set.intersection(*held))  # a step is whole only where both hold it
     second = launched(args, tmp_path, RUNNER_FAULT="kill_at_step:13")
     killed(second)
     assert f"resumed from step {resumed} (" in second[0][1], second[0][1][-2000:]
@@ -217,12 +215,8 @@ def test_a_replaced_host_is_rebuilt_from_replicas_else_the_durable_tier_is_resto
     for code, _, stderr in final:
         assert code == 0, stderr[-3000:]
     out = final[0][1]
-    if replicated:
-        assert ("resumed from step 12 (local tier" in out and "process 1's shards rebuilt from the copies on process 0"
-                in out), out[-2000:]
-    else:
-        assert "local checkpoint step 12 is held by process(es) 0 only" in out, out[-2000:]
-        assert f"resumed from step 8 ({tmp_path / 'run' / 'checkpoints'})" in out, out[-2000:]
+    assert "local checkpoint step 12 is held by process(es) 0 only" in out, out[-2000:]
+    assert f"resumed from step 8 ({tmp_path / 'run' / 'checkpoints'})" in out, out[-2000:]
     assert_bitwise(tmp_path / "run", reference)
 
 

@@ -124,29 +124,41 @@ def test_every_optimizer_and_schedule_has_its_config_group() -> None:
             assert yaml.safe_load(path.read_text())["name"] == name
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[Path, str, str]:
+    """Every optimizer's run killed at step 3 on the (1, 2, 2) mesh (a process each); then one sweep
+    resumes them all there to the end, and another continues them all on one device for 2 more
+    steps. The directory, and the two sweeps' outputs."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    names = OPTIMIZERS.names()
+    for name in names:
+        killed = run_runner([*SMALL, *MESHES[4], f"optimizer={name}", f"run.dir=killed/{name}"], tmp, devices=4,
+                            RUNNER_FAULT="kill_at_step:3")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    every = [f"optimizer={','.join(names)}", "run.dir=killed/${optimizer.name}"]
+    again = run_runner(["-m", *SMALL, *MESHES[4], *every, "run.sweep=again"], tmp, devices=4)
+    assert again.returncode == 0, again.stderr[-3000:]
+    longer = run_runner(["-m", *SMALL, *every, f"train.steps={STEPS + 2}", "run.sweep=longer"], tmp, devices=1)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    return tmp, again.stdout, longer.stdout
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", OPTIMIZERS.names())
-def test_every_optimizer_resumes_exactly_after_sigkill_and_on_another_mesh(tmp_path: Path, name: str,
-                                                                          swept) -> None:
+def test_every_optimizer_resumes_exactly_after_sigkill_and_on_another_mesh(name: str, swept, resumed) -> None:
     swept_dir, members = swept("optimizer", 4)  # the uninterrupted runs
     reference = next(swept_dir / m["run_dir"] for m in members
                      if yaml.safe_load((swept_dir / m["run_dir"] / "spec.yaml").read_text())["optimizer"]["name"] == name)
-    args = [*SMALL, f"optimizer={name}", "run.dir=run"]
-    killed = run_runner([*args, *MESHES[4]], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:3")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    again = run_runner([*args, *MESHES[4]], tmp_path, devices=4)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step 2 " in again.stdout
-    run = tmp_path / "run"
+    tmp, again, longer = resumed
+    run = tmp / "killed" / name
+    assert f"resumed from step 2 ({run / 'checkpoints'})" in again
     for a, b in zip(params_of(run, STEPS), params_of(reference, STEPS), strict=True):
         np.testing.assert_array_equal(a, b)  # bitwise
-    assert [r["loss"] for r in read_metrics(run) if "loss" in r] == \
+    assert [r["loss"] for r in read_metrics(run) if "loss" in r and r["step"] <= STEPS] == \
         [r["loss"] for r in read_metrics(reference) if "loss" in r]
 
     # The optimizer state saved on the (1, 2, 2) mesh restores onto one device and trains on.
-    longer = run_runner([*args, f"train.steps={STEPS + 2}"], tmp_path, devices=1)
-    assert longer.returncode == 0, longer.stderr[-3000:]
-    assert f"resumed from step {STEPS} " in longer.stdout
+    assert f"resumed from step {STEPS} ({run / 'checkpoints'})" in longer
     assert np.isfinite([r["loss"] for r in read_metrics(run) if r["step"] == STEPS + 2 and "loss" in r][0])
 
 

@@ -3,6 +3,8 @@ token, masked by the routing), forward and gradients, in float32; the balancing 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,11 +275,24 @@ MOE_RUN = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_di
            "checkpoint.every_steps=2", "eval.every=3"]
 
 
+MOE_BIAS_RUN = [*MOE_RUN, "job.model.moe.bias_update_rate=0.001"]
+
+
+@pytest.fixture(scope="module")
+def moe_whole(tmp_path_factory) -> tuple[Path, str]:
+    """MOE_BIAS_RUN uninterrupted on one device: its directory and output."""
+    tmp = tmp_path_factory.mktemp("moe")
+    whole = run_runner([*MOE_BIAS_RUN, "run.dir=whole"], tmp)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return tmp / "whole", whole.stdout
+
+
 @pytest.mark.e2e
-def test_an_moe_run_resumes_bit_exact_after_sigkill_and_a_mesh_gives_the_same_numbers(tmp_path) -> None:
+def test_an_moe_run_resumes_bit_exact_after_sigkill_and_a_mesh_gives_the_same_numbers(tmp_path, moe_whole) -> None:
     """Through `python -m runner`: the router, every expert and the router's selection bias are
-    saved and restored exactly; a (data 1, fsdp 2, tensor 2) mesh trains the same model as one
-    device, within float32 rounding."""
+    saved and restored exactly, after a kill during the save of step 4 and then one at step 5 in
+    the same run; a (data 1, fsdp 2, tensor 2) mesh trains the same model as one device, within
+    float32 rounding."""
     import signal
 
     from tests.train.test_restore import params_of
@@ -291,39 +306,33 @@ def test_an_moe_run_resumes_bit_exact_after_sigkill_and_a_mesh_gives_the_same_nu
                 fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])))
         return [np.asarray(x) for x in jax.tree.leaves(state["model_state"])]
 
-    run = [*MOE_RUN, "job.model.moe.bias_update_rate=0.001"]
-    whole = run_runner([*run, "run.dir=whole"], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    reports = [r for r in read_metrics(tmp_path / "whole") if "moe/aux_loss" in r]
+    whole, out = moe_whole
+    reports = [r for r in read_metrics(whole) if "moe/aux_loss" in r]
     assert [r["step"] for r in reports] == list(range(1, 7))
     assert all(r["moe/load_max"] >= 1.0 >= r["moe/load_min"] and r["moe/dropped"] == 0.0 for r in reports)
     assert all(r["moe/load_max"] == max(r["moe/load_max/0"], r["moe/load_max/1"]) for r in reports)  # per layer
-    assert "experts " in whole.stdout  # the progress line's summary
-    card = (tmp_path / "whole" / "RUN_CARD.md").read_text()
+    assert "experts " in out  # the progress line's summary
+    card = (whole / "RUN_CARD.md").read_text()
     assert "active per token" in card  # 4 experts, 2 chosen: fewer parameters per token than in all
 
-    killed = run_runner([*run, "run.dir=killed"], tmp_path, RUNNER_FAULT="kill_at_step:3")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    again = run_runner([*run, "run.dir=killed"], tmp_path)
-    assert again.returncode == 0 and "resumed from step 2 " in again.stdout, again.stderr[-3000:]
-    for a, b in zip(params_of(tmp_path / "killed", 6), params_of(tmp_path / "whole", 6), strict=True):
-        np.testing.assert_array_equal(a, b)  # bitwise: routing included
-    mid_save = run_runner([*run, "run.dir=mid_save"], tmp_path, RUNNER_FAULT="kill_after_save:4")
+    run = [*MOE_BIAS_RUN, "run.dir=killed"]
+    mid_save = run_runner(run, tmp_path, RUNNER_FAULT="kill_after_save:4")
     assert mid_save.returncode == -signal.SIGKILL, mid_save.stderr[-3000:]
-    again = run_runner([*run, "run.dir=mid_save"], tmp_path)  # from step 4 if its save committed, else step 2
-    assert again.returncode == 0 and "resumed from step " in again.stdout, again.stderr[-3000:]
-    for a, b in zip(params_of(tmp_path / "mid_save", 6), params_of(tmp_path / "whole", 6), strict=True):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(state_of(tmp_path / "mid_save", 6), state_of(tmp_path / "whole", 6), strict=True):
-        np.testing.assert_array_equal(a, b)
-    bias = state_of(tmp_path / "whole", 6)
+    killed = run_runner(run, tmp_path, RUNNER_FAULT="kill_at_step:5")  # from 4 if its save committed, else 2
+    assert killed.returncode == -signal.SIGKILL and "resumed from step " in killed.stdout, killed.stderr[-3000:]
+    again = run_runner(run, tmp_path)
+    assert again.returncode == 0 and "resumed from step 4 " in again.stdout, again.stderr[-3000:]
+    for a, b in zip(params_of(tmp_path / "killed", 6), params_of(whole, 6), strict=True):
+        np.testing.assert_array_equal(a, b)  # bitwise: routing included
+    bias = state_of(whole, 6)
     assert [b.shape for b in bias] == [(4,), (4,)] and np.abs(bias[0]).max() > 0  # per layer and expert, moved
     for a, b in zip(state_of(tmp_path / "killed", 6), bias, strict=True):
         np.testing.assert_array_equal(a, b)
 
-    mesh = run_runner([*run, "run.dir=mesh", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], tmp_path, devices=4)
+    mesh = run_runner([*MOE_BIAS_RUN, "run.dir=mesh", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], tmp_path,
+                      devices=4)
     assert mesh.returncode == 0, mesh.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole") if "loss" in r}
+    want = {r["step"]: r["loss"] for r in read_metrics(whole) if "loss" in r}
     got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "mesh") if "loss" in r}
     assert got.keys() == want.keys()
     for step in want:
@@ -331,17 +340,16 @@ def test_an_moe_run_resumes_bit_exact_after_sigkill_and_a_mesh_gives_the_same_nu
 
 
 @pytest.mark.e2e
-def test_exporting_an_moe_run_is_refused_with_one_paragraph(tmp_path) -> None:
+def test_exporting_an_moe_run_is_refused_with_one_paragraph(tmp_path, moe_whole) -> None:
     """MOE_RUN's shared expert: no architecture runner exports (Mixtral, Qwen3-MoE) has one. It
-    trains, and its export is refused naming the key (tests/models/test_moe_hf.py: the rest)."""
+    trains (the run above), and its export is refused naming the key (tests/models/test_moe_hf.py:
+    the rest)."""
     import subprocess
     import sys
 
     from tests.conftest import runner_env
 
-    done = run_runner([*MOE_RUN, "run.dir=run", "train.steps=2"], tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    exported = subprocess.run([sys.executable, "-m", "runner.export", "run", "hf"], cwd=tmp_path,
+    exported = subprocess.run([sys.executable, "-m", "runner.export", str(moe_whole[0]), "hf"], cwd=tmp_path,
                               env=runner_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert exported.returncode == 2 and "Traceback" not in exported.stderr, exported.stderr[-3000:]
     assert "job.model.moe.n_shared_experts=1" in exported.stderr and "Fix:" in exported.stderr  # (MOE_RUN's)

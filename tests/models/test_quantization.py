@@ -204,31 +204,40 @@ QUANT_RUN = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_
 
 
 @pytest.mark.e2e
-def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_150_steps(tmp_path) -> None:
-    """docs/speed.md's bound, on the embedded corpus: after 150 steps the eval loss of the int8 and
-    fp8 runs is within 0.05 of the bf16 run's (measured: bf16 2.4642, int8 2.4734, fp8 2.4862,
-    from 5.78 at step 0; after 300 steps the gaps were as small: 2.1225, 2.1001, 2.1338)."""
+def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_100_steps(tmp_path) -> None:
+    """docs/speed.md's bound, on the embedded corpus: after 100 steps the eval loss of the int8 and
+    fp8 runs is within 0.05 of the bf16 run's (measured: bf16 2.6991, int8 2.7006, fp8 2.6944,
+    from 5.78 at step 0; after 150 steps 2.4642, 2.4734, 2.4862; after 300 as small: 2.1225, 2.1001,
+    2.1338). The three runs are one sweep: one process."""
+    done = run_runner(["-m", "job=llama_tiny", "job.model.compute_dtype=bfloat16",
+                       "job.model.quantization=none,int8,fp8", "train.steps=100", "eval.every=100",
+                       "checkpoint.every_steps=0", "logging.wandb=disabled", "run.sweep=q"], tmp_path,
+                      XLA_FLAGS=xla_flags(1, LEARNING))
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "runs" / "sweeps" / "q"
+    members = json.loads((sweep / "summary.json").read_text())["members"]
+    assert [m["status"] for m in members] == ["finished"] * 3, members
     finals = {}
-    for fmt in ("none", "int8", "fp8"):
-        done = run_runner(["job=llama_tiny", "job.model.compute_dtype=bfloat16", f"job.model.quantization={fmt}",
-                           "train.steps=150", "eval.every=150", "checkpoint.every_steps=0", "logging.wandb=disabled",
-                           f"run.dir={fmt}"], tmp_path, XLA_FLAGS=xla_flags(1, LEARNING))
-        assert done.returncode == 0, done.stderr[-3000:]
-        finals[fmt] = [r["eval/stdlib/loss"] for r in read_metrics(tmp_path / fmt) if "eval/stdlib/loss" in r]
+    for member in members:
+        run = tmp_path / member["run_dir"]
+        fmt = next(o.split("=")[1] for o in member["overrides"] if o.startswith("job.model.quantization="))
+        finals[fmt] = [r["eval/stdlib/loss"] for r in read_metrics(run) if "eval/stdlib/loss" in r]
         if fmt != "none":
-            card = (tmp_path / fmt / "RUN_CARD.md").read_text()
+            card = (run / "RUN_CARD.md").read_text()
             assert f"quantization: {fmt} via Qwix" in card and "28 modules" in card, card  # 4 layers x 7
-            assert "for testing only" in done.stdout  # the CPU emulates the quantized matmuls
+    assert sorted(finals) == ["fp8", "int8", "none"]
+    assert done.stdout.count("for testing only") >= 2  # the CPU emulates the quantized matmuls
     assert finals["none"][0] - finals["none"][1] > 3.0, finals  # it learned
-    for fmt in ("int8", "fp8"):
-        assert abs(finals[fmt][1] - finals["none"][1]) < 0.05, finals
+    for fmt in ("int8", "fp8"):  # close, and not the unquantized run's (the formats train another model)
+        assert abs(finals[fmt][1] - finals["none"][1]) < 0.05 and finals[fmt][1] != finals["none"][1], finals
 
 
 @pytest.mark.e2e
 def test_an_fp8_run_resumes_bit_exact_after_sigkill_and_exports_plain_weights(tmp_path) -> None:
     """Dynamic scaling keeps no state, so the checkpoint is the plain one and a killed fp8 run
     ends bitwise where an uninterrupted one does; its export is float32 weights with no
-    quantization in config.json, which transformers runs as runner's unquantized forward does."""
+    quantization in config.json, which transformers runs as runner's unquantized forward does.
+    (That fp8 trains another model than the plain run: the 100-step test above.)"""
     import subprocess
     import sys
 
@@ -249,9 +258,6 @@ def test_an_fp8_run_resumes_bit_exact_after_sigkill_and_exports_plain_weights(tm
     final = params_of(tmp_path / "whole", 6)
     for a, b in zip(params_of(tmp_path / "killed", 6), final, strict=True):
         np.testing.assert_array_equal(a, b)
-    plain = run_runner([*QUANT_RUN, "run.dir=plain"], tmp_path)  # the same run unquantized: another model
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert any(np.abs(a - b).max() > 0 for a, b in zip(params_of(tmp_path / "plain", 6), final, strict=True))
 
     exported = subprocess.run([sys.executable, "-m", "runner.export", "whole", "hf"], cwd=tmp_path,
                               env=runner_env(tmp_path), capture_output=True, text=True, timeout=600)

@@ -114,46 +114,39 @@ def test_spike_guard_skips_a_loss_far_above_the_rolling_mean() -> None:
     assert monitor.observe(3, {"skipped": 0.0}) is None and monitor.consecutive == 0
 
 
-RESUMABLE = [*TINY, "train.steps=12", "eval.every=0", "checkpoint.every_steps=0", "optimizer.lr=1e-2"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    result = run_runner([*RESUMABLE, "run.dir=run"], tmp)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return tmp / "run"
+RESUMABLE = [*TINY, "train.steps=20", "eval.every=0", "checkpoint.every_steps=0", "optimizer.lr=1e-2",
+             "logging.wandb=offline"]
 
 
 @pytest.mark.e2e
-def test_step_limit_for_this_launch_then_resume(tmp_path, reference) -> None:
-    args = [*RESUMABLE, "run.dir=run", "train.max_steps_this_launch=5"]
-    for expected in (5, 10):
-        result = run_runner(args, tmp_path)
-        assert result.returncode == 75, result.stderr[-2000:]
-        assert f"stopped by the step limit for this launch (train.max_steps_this_launch=5) at step {expected}" \
-            in result.stdout
-    assert run_runner(args, tmp_path).returncode == 0
-    for a, b in zip(params_of(tmp_path / "run", 12), params_of(reference, 12)):
-        np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.e2e
-def test_stop_file_stops_cleanly_and_resumes(tmp_path, reference) -> None:
-    args = [*RESUMABLE, "run.dir=run", "train.steps=100000", "logging.wandb=offline"]
-    proc = start_runner_until(args, tmp_path, tmp_path / "run", 4)
+def test_the_stop_file_and_the_step_limit_stop_cleanly_and_the_run_resumes_exactly(tmp_path, monkeypatch) -> None:
+    """Launch 1 is stopped by a STOP file in its run directory (exit 75, the file removed); launch
+    2 resumes and stops after train.max_steps_this_launch=5 steps, counted from where it resumed
+    (75); launch 3 ends the run (0), bit for bit the uninterrupted run's parameters. wandb (its own
+    run files, offline): the stopped launches preempted with exit code 75, the last finished with
+    0, all three one wandb run. (The time limit is tested by an injected clock in
+    tests/train/test_loop.py, not by waiting for it.)"""
+    reference = run_runner([*RESUMABLE, "run.dir=reference"], tmp_path)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    args = [*RESUMABLE, "run.dir=run"]
+    monkeypatch.setenv("PACE_S", "0.2")  # launch 1 is still running when the file is made
+    proc = start_runner_until([*args, "callbacks=[tests.callback_fixture:Pacer]"], tmp_path, tmp_path / "run", 4)
     (tmp_path / "run" / "STOP").touch()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]
     assert "stopped by the stop file" in out and not (tmp_path / "run" / "STOP").exists()
-    # (the time limit is tested by an injected clock in tests/train/test_loop.py, not by waiting for it)
-    again = run_runner([*args, "train.max_steps_this_launch=2"], tmp_path)
-    assert again.returncode == 75 and "resumed from step" in again.stdout, again.stderr[-2000:]
-    last = max(r["step"] for r in read_metrics(tmp_path / "run"))
-    done = run_runner([*args[:-2], f"train.steps={last + 1}", "logging.wandb=offline"], tmp_path)
+    stopped = max(r["step"] for r in read_metrics(tmp_path / "run"))
+    assert stopped <= 10, stopped
+
+    limited = run_runner([*args, "train.max_steps_this_launch=5"], tmp_path)
+    assert limited.returncode == 75, limited.stderr[-2000:]
+    assert f"resumed from step {stopped} " in limited.stdout, limited.stdout[-2000:]
+    assert ("stopped by the step limit for this launch (train.max_steps_this_launch=5) at step "
+            f"{stopped + 5}") in limited.stdout, limited.stdout[-2000:]
+    done = run_runner(args, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    # wandb (its own run files, offline): the stopped launches are preempted with exit code 75, the
-    # last one finished with 0; all three continue one wandb run.
+    for a, b in zip(params_of(tmp_path / "run", 20), params_of(tmp_path / "reference", 20), strict=True):
+        np.testing.assert_array_equal(a, b)
     launches = wandb_records.launches(tmp_path / "run")
     assert [(w["preempting"], w["exit_code"]) for w in launches] == [(True, 75), (True, 75), (False, 0)]
     assert len({w["id"] for w in launches}) == 1

@@ -72,13 +72,12 @@ def one_process(tmp_path_factory) -> Path:
 
 
 @pytest.mark.e2e
-def test_two_processes_train_like_one_with_four_devices(tmp_path, one_process) -> None:
-    results = finish(launch([*BASE, "run.dir=run", "logging.wandb=offline"], tmp_path))
-    for code, _, stderr in results:
-        assert code == 0, stderr[-3000:]
-    assert "Finished gpt_tiny" in results[0][1]
-    assert "step " not in results[1][1] and "Finished" not in results[1][1]  # one writer
-    run_dir = tmp_path / "run"
+def test_two_processes_train_like_one_with_four_devices(one_process, two_processes) -> None:
+    """The shared two-process run (below: BASE with a watchdog, which changes no number)."""
+    outputs = [(two_processes.parent / f"stdout-{i}.txt").read_text() for i in range(2)]
+    assert "Finished gpt_tiny" in outputs[0]
+    assert "step " not in outputs[1] and "Finished" not in outputs[1]  # one writer
+    run_dir = two_processes
     steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
     assert steps == list(range(1, STEPS + 1))  # each step logged once
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # only process 0 creates a run
@@ -202,9 +201,10 @@ WATCHED = [*BASE, "eval.every=0", f"run.hang_timeout={HANG_S}s", "logging.progre
 
 
 def make_two_processes(tmp: Path) -> Path:
-    results = finish(launch([*WATCHED, "run.dir=run"], tmp))
-    for code, _, stderr in results:
+    results = finish(launch([*WATCHED, "run.dir=run", "logging.wandb=offline"], tmp))
+    for i, (code, stdout, stderr) in enumerate(results):
         assert code == 0, stderr[-3000:]
+        (tmp / f"stdout-{i}.txt").write_text(stdout)
     return tmp / "run"
 
 
