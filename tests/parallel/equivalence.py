@@ -45,18 +45,3 @@ def run_script(script: str, tmp_path: Any, devices: int = 4) -> dict[str, Any]:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def assert_same_losses(run: list[str], tmp_path: Any, name: str, extra: list[str], want: dict[int, float]) -> None:
-    """`python -m runner` with `run` and `extra` on 4 devices, into run.dir=`name`: its logged
-    losses are `want`'s (steps and values) within float32 rounding."""
-    import pytest
-
-    from tests.conftest import read_metrics, run_runner
-
-    proc = run_runner([*run, f"run.dir={name}", *extra], tmp_path, devices=4)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
-    assert got.keys() == want.keys()
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)

@@ -13,7 +13,7 @@ import pytest
 
 from runner.errors import ConfigError
 from tests.conftest import TINY, read_metrics, run_runner
-from tests.parallel.equivalence import assert_same_losses, run_script
+from tests.parallel.equivalence import run_script
 
 EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
@@ -256,62 +256,86 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+def assert_close_losses(got: dict[int, float], want: dict[int, float], steps: range, name: str) -> None:
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)
+
+
 @pytest.mark.e2e
 def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_context_size(tmp_path) -> None:
     """30 steps of packed documents through `python -m runner`: (data 2, context 2) by allgather
-    and by ulysses, (context 4) by ring and by usp (groups of 2, a ring of 2), match one device; a
-    run killed at step 22 resumes bit-exact on the same mesh (allgather, ulysses and usp), and on
-    (context 4) onto the same curve."""
+    and by ulysses, (context 4) by ring and by usp (groups of 2, a ring of 2: the ways usp picks for
+    2 heads), match one device; a run killed at step 22 resumes bit-exact on the same mesh
+    (allgather, ulysses and usp), and on (context 4) onto the same curve. Runs on one mesh shape
+    share a sweep, one process."""
     from tests.train.test_restore import params_of
 
     one = run_runner([*RUN, "run.dir=one"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     want = losses(tmp_path / "one")
     assert sorted(want) == list(range(1, 31)) and want[30] < want[1]
-    dc, ulysses = (["mesh.data=2", "mesh.context=2", f"job.model.context_parallel={kind}"]
-                   for kind in ("allgather", "ulysses"))
-    usp = ["mesh.data=1", "mesh.context=4", "job.model.context_parallel=usp", "job.model.ulysses_ways=2"]
-    for name, extra in (("dc", dc), ("c", ["mesh.data=1", "mesh.context=4", "job.model.context_parallel=ring"]),
-                        ("u", ulysses), ("p", usp)):
-        assert_same_losses(RUN, tmp_path, name, extra, want)
-    assert "(ulysses)" in (tmp_path / "u" / "RUN_CARD.md").read_text()
-    assert "(usp): all-to-all within groups of 2 shards" in (tmp_path / "p" / "RUN_CARD.md").read_text()
+    pairs, fours = ["mesh.data=2", "mesh.context=2"], ["mesh.data=1", "mesh.context=4"]
+    for sweep, mesh, kinds in (("pairs", pairs, "allgather,ulysses"), ("fours", fours, "ring,usp")):
+        done = run_runner(["-m", *RUN, *mesh, f"job.model.context_parallel={kinds}", f"run.sweep={sweep}",
+                           "run.dir=whole/${job.model.context_parallel}"], tmp_path, devices=4)
+        assert done.returncode == 0, done.stderr[-3000:]
+    for kind in ("allgather", "ulysses", "ring", "usp"):
+        got = losses(tmp_path / "whole" / kind)
+        assert got.keys() == want.keys(), kind
+        assert_close_losses(got, want, range(1, 31), kind)
+    assert "(ulysses)" in (tmp_path / "whole" / "ulysses" / "RUN_CARD.md").read_text()
+    assert "(usp): all-to-all within groups of 2 shards" in (tmp_path / "whole" / "usp" / "RUN_CARD.md").read_text()
 
-    for name, mesh, again_mesh in (("same", dc, dc), ("moved", dc, ["mesh.data=1", "mesh.context=4"]),
-                                   ("ulysses", ulysses, ulysses), ("usp", usp, usp)):
-        killed = run_runner([*RUN, f"run.dir={name}", *mesh], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:22")
+    for kind, mesh in (("allgather", pairs), ("ulysses", pairs), ("usp", fours), ("moved", pairs)):
+        cp = "allgather" if kind == "moved" else kind
+        killed = run_runner([*RUN, f"run.dir=killed/{kind}", *mesh, f"job.model.context_parallel={cp}"], tmp_path,
+                            devices=4, RUNNER_FAULT="kill_at_step:22")
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-        again = run_runner([*RUN, f"run.dir={name}", *again_mesh], tmp_path, devices=4)
-        assert again.returncode == 0 and "resumed from step 20 " in again.stdout, again.stderr[-3000:]
-    for name, whole in (("same", "dc"), ("ulysses", "u"), ("usp", "p")):  # uninterrupted, on the same mesh
-        for a, b in zip(params_of(tmp_path / name, 30), params_of(tmp_path / whole, 30), strict=True):
+    for resumed, extra in ((2, ["-m", *RUN, *pairs, "job.model.context_parallel=allgather,ulysses", "run.sweep=again",
+                                "run.dir=killed/${job.model.context_parallel}"]),
+                           (1, [*RUN, *fours, "job.model.context_parallel=usp", "run.dir=killed/usp"]),
+                           (1, [*RUN, *fours, "job.model.context_parallel=allgather", "run.dir=killed/moved"])):
+        again = run_runner(extra, tmp_path, devices=4)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert again.stdout.count("resumed from step 20 ") == resumed, again.stdout[-3000:]
+    for kind in ("allgather", "ulysses", "usp"):  # uninterrupted, on the same mesh
+        for a, b in zip(params_of(tmp_path / "killed" / kind, 30), params_of(tmp_path / "whole" / kind, 30),
+                        strict=True):
             np.testing.assert_array_equal(a, b)
-    moved = losses(tmp_path / "moved")
-    for step in range(21, 31):
-        assert moved[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), step
+    assert_close_losses(losses(tmp_path / "killed" / "moved"), want, range(21, 31), "moved")
+
+
+SPLASH_CARDS = {
+    "allgather": "splash_interpret kernel on each shard's rows, keys and values gathered over mesh.context=2",
+    "ring": "splash_interpret kernel per block, key/value blocks passed around mesh.context=2 (ring)",
+    "ulysses": "splash_interpret on whole rows, 1 head per device, heads and sequence exchanged by all-to-all over "
+               "mesh.context=2 (ulysses); key/value heads repeated to one per query head (1 on a device do not "
+               "split 2 ways)"}
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind, seq_len, card", [
-    ("allgather", 256, "splash_interpret kernel on each shard's rows, keys and values gathered over mesh.context=2"),
-    ("ring", 512, "splash_interpret kernel per block, key/value blocks passed around mesh.context=2 (ring)"),
-    ("ulysses", 256, "splash_interpret on whole rows, 1 head per device, heads and sequence exchanged by all-to-all "
-     "over mesh.context=2 (ulysses); key/value heads repeated to one per query head (1 on a device do not split 2 "
-     "ways)")],
-    ids=["allgather", "ring", "ulysses"])
-def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path, kind: str, seq_len: int,
-                                                                      card: str) -> None:
+@pytest.mark.parametrize("kinds, seq_len", [("allgather,ulysses", 256), ("ring", 512)],
+                         ids=["allgather-ulysses", "ring"])
+def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path, kinds: str, seq_len: int) -> None:
     """`python -m runner job.model.attention=splash mesh.context=2` (Pallas interpret mode on this
     CPU) on packed rows, allgather, ring and ulysses: the kernel runs per shard, per block or on
-    whole rows (the run card says so) and the losses are one device's XLA attention's."""
+    whole rows (the run card says so) and the losses are one device's XLA attention's. (The kinds
+    at one length: one sweep.)"""
     run = [*RUN, "job.model.n_kv_heads=1", f"train.seq_len={seq_len}", f"job.model.context_length={seq_len}",
            "train.steps=4", "train.batch_size=4", "eval.every=0", "checkpoint.every_steps=0"]
     one = run_runner([*run, "run.dir=one", "job.model.attention=xla"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert_same_losses(run, tmp_path, "split", ["mesh.data=2", "mesh.context=2", "job.model.attention=splash",
-                                                f"job.model.context_parallel={kind}"], losses(tmp_path / "one"))
-    text = (tmp_path / "split" / "RUN_CARD.md").read_text()
-    assert f"attention: {card}" in text, text[:2000]
+    want = losses(tmp_path / "one")
+    split = run_runner(["-m", *run, "mesh.data=2", "mesh.context=2", "job.model.attention=splash",
+                        f"job.model.context_parallel={kinds}", "run.sweep=split",
+                        "run.dir=split/${job.model.context_parallel}"], tmp_path, devices=4)
+    assert split.returncode == 0, split.stderr[-3000:]
+    for kind in kinds.split(","):
+        got = losses(tmp_path / "split" / kind)
+        assert got.keys() == want.keys(), kind
+        assert_close_losses(got, want, range(1, 5), kind)
+        text = (tmp_path / "split" / kind / "RUN_CARD.md").read_text()
+        assert f"attention: {SPLASH_CARDS[kind]}" in text, text[:2000]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
