@@ -94,6 +94,22 @@ def run_runner(args: list[str], tmp_path: Path, devices: int = 1, timeout: float
                           capture_output=True, text=True, timeout=timeout)
 
 
+def refused_in_process(overrides: list[str], capsys: pytest.CaptureFixture, multirun: bool = False,
+                       build: bool = False) -> str:
+    """The check `python -m runner` makes of its command line before anything runs
+    (runner.main.cli.precheck), in this process, on a mistake: asserts exit 2 and returns the one
+    line it wrote to stderr. (Run it in an empty current directory to see that nothing is written.)"""
+    from runner.main.cli import precheck, prepare
+
+    prepare()
+    with pytest.raises(SystemExit) as exit_:
+        precheck(overrides, multirun=multirun, build=build)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
 def wait_for_lines(path: Path, lines: int, timeout: float = 300) -> None:
     """Wait until a run has logged `lines` records (to signal it mid-run)."""
     import time

@@ -15,7 +15,7 @@ from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
 from runner.spec import CHECKED_SECTIONS, ExecutionSpec, derive_run_dir, register_schema, spec_from_dict, validate
 from runner.train.job import load_job_modules
-from tests.conftest import TINY, run_runner
+from tests.conftest import TINY, refused_in_process, run_runner
 
 register_schema()
 load_job_modules()
@@ -156,15 +156,9 @@ def test_more_user_errors_are_the_same_exit_2_paragraph_in_process(tmp_path, mon
                                                                    needle: str) -> None:
     """The check `python -m runner` makes of its command line (composed, then built into a spec as a
     run builds it), in this process, on more mistakes: exit 2, one paragraph, nothing written."""
-    from runner.main.cli import precheck, prepare
-
     monkeypatch.chdir(tmp_path)
-    prepare()
-    with pytest.raises(SystemExit) as exit_:
-        precheck(args, build=True)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and needle in err and "+train" not in err, err
+    line = refused_in_process(args, capsys, build=True)
+    assert needle in line and "+train" not in line, line
     assert not list(tmp_path.iterdir())
 
 

@@ -45,3 +45,11 @@ def run_script(script: str, tmp_path: Any, devices: int = 4) -> dict[str, Any]:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_close_losses(got: dict[int, float], want: dict[int, float], steps: Any, name: str) -> None:
+    """`got`'s logged loss at each of `steps` is `want`'s within float32 rounding."""
+    import pytest
+
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)

@@ -13,7 +13,7 @@ import pytest
 
 from runner.errors import ConfigError
 from tests.conftest import TINY, read_metrics, run_runner
-from tests.parallel.equivalence import run_script
+from tests.parallel.equivalence import assert_close_losses, run_script
 
 EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
@@ -254,11 +254,6 @@ RUN = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_dim=16
 
 def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
-def assert_close_losses(got: dict[int, float], want: dict[int, float], steps: range, name: str) -> None:
-    for step in steps:
-        assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)
 
 
 @pytest.mark.e2e

@@ -10,7 +10,7 @@ import pytest
 
 from runner.errors import ConfigError
 from tests.conftest import TINY, read_metrics, run_runner
-from tests.parallel.equivalence import run_script
+from tests.parallel.equivalence import assert_close_losses, run_script
 
 EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, flax.linen as nn
@@ -88,17 +88,14 @@ def test_expert_meshes_train_the_one_device_loss_curve_and_resume_onto_another_e
     for name in ("expert2", "expert4"):
         got = losses(tmp_path / name)
         assert got.keys() == want.keys(), name
-        for step in want:
-            assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), (name, step)
+        assert_close_losses(got, want, want, name)
 
     killed = run_runner([*RUN, "run.dir=moved", "mesh.data=2", "mesh.expert=2"], tmp_path, devices=4,
                         RUNNER_FAULT="kill_at_step:12")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     again = run_runner([*RUN, "run.dir=moved", "mesh.data=1", "mesh.expert=4"], tmp_path, devices=4)
     assert again.returncode == 0 and "resumed from step 10 " in again.stdout, again.stderr[-3000:]
-    got = losses(tmp_path / "moved")
-    for step in range(11, 21):
-        assert got[step] == pytest.approx(want[step], rel=2e-4, abs=2e-4), step
+    assert_close_losses(losses(tmp_path / "moved"), want, range(11, 21), "moved")
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_refused() -> None:
