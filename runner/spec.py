@@ -158,7 +158,15 @@ class ModelSpec(_Frozen):
     ulysses_ways: int = 0
     # auto (dots when layers are scanned, none when unrolled: measured fastest on CPU, docs/performance.md)
     # | none (save every activation) | full (recompute the block) | dots (save the weight matmuls' outputs)
+    # | offload (as full, each block's input kept in host memory until the backward pass: TPU, GPU)
     remat: str = "auto"
+    # the output head and its loss over this many tiles of each row's tokens, each tile's logits
+    # recomputed in the backward pass, so the whole logits never exist (runner.models.tiling); 1: whole;
+    # 0: auto (tiled once one device's float32 logits would pass 1 GiB)
+    loss_tiles: int = 0
+    # the feed-forward block over this many tiles of each row's tokens, each recomputed in the backward
+    # pass, so its activations are one tile's (ALST's TiledMLP); 1: whole. Dense MLPs only
+    mlp_tiles: int = 1
     use_bias: bool = True  # gpt: biases on the projections and LayerNorms
     scan_layers: bool = True  # layers as one scanned, stacked layer (fast compiles); false: unrolled
     # int8 | fp8: the matmuls quantization_scope names run quantized, through Qwix
@@ -193,8 +201,9 @@ class ModelSpec(_Frozen):
         _check_rules("job.model", self, (
             ("scale", ">= 0"), ("head_dim", "> 0"), ("vocab_size", "> 0"), ("context_length", "> 0"),
             ("d_model", "> 0"), ("n_layers", "> 0"), ("n_heads", "> 0"), ("d_ff", ">= 0"),
-            ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("auto", "none", "full", "dots")),
+            ("compute_dtype", DTYPES), ("param_dtype", DTYPES), ("remat", ("auto", "none", "full", "dots", "offload")),
             ("context_parallel", ("auto", "allgather", "ring", "ulysses", "usp")), ("ulysses_ways", ">= 0"),
+            ("loss_tiles", ">= 0"), ("mlp_tiles", "> 0"),
             ("quantization_scaling", ("auto", "channel", "tensor")),
             ("activation", ("", *ACTIVATIONS))))
         if self.ulysses_ways and self.context_parallel != "usp":

@@ -118,7 +118,7 @@ def test_an_undocumented_name_is_reported() -> None:
 
 def test_allowed_values_come_from_the_checks_and_the_registries(model: reference.Model) -> None:
     keys = keys_of(model)
-    assert keys["job.model.remat"].allowed == "`auto`, `none`, `full`, `dots`"  # a _check_rules tuple
+    assert keys["job.model.remat"].allowed == "`auto`, `none`, `full`, `dots`, `offload`"  # a _check_rules tuple
     assert keys["optimizer.lr"].allowed == "> 0" and keys["data.prefetch"].allowed == "≥ 0"
     assert keys["job.model.dropout"].allowed == "in [0, 1)"  # a predicate whose problem says "it must be"
     assert keys["mode"].allowed == "`train`, `eval`, `compile`"  # _one_of in validate

@@ -13,15 +13,16 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, context, hf, quantization
+from runner.models import attention, context, hf, quantization, tiling
 from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
+from runner.models.common import OFFLOAD_PLATFORMS
 from runner.models.family import MODEL_FAMILIES, ModelFamily
-from runner.parallel.mesh import usp_ways
+from runner.parallel.mesh import ulysses_heads, usp_ways
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
 
-__all__ = ["MODEL_FAMILIES", "ModelFamily", "check_spec", "family_for", "import_hf_params", "model_config",
-           "with_hf_settings"]
+__all__ = ["MODEL_FAMILIES", "ModelFamily", "check_spec", "context_choice", "family_for", "import_hf_params",
+           "model_config", "with_hf_settings"]
 
 
 def family_for(spec: ExecutionSpec) -> Any:
@@ -46,23 +47,38 @@ def model_config(spec: ExecutionSpec) -> Any:
     if not dataclasses.is_dataclass(config) or not hasattr(config, "attention"):
         return config
     target = platform(spec)
+    check_offload(spec, target)
     impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
-    kind = spec.job.model.context_parallel
-    if spec.mesh.context > 1 and (kind == "usp" or kind != "ulysses" and not context_splash(spec, impl)):
+    kind = context_choice(spec, target)[0]
+    config = dataclasses.replace(config, context_parallel=kind) if hasattr(config, "context_parallel") else config
+    if spec.mesh.context > 1 and (kind == "usp" or kind != "ulysses" and not context_splash(spec, impl, kind)):
         impl = "xla"  # rows split over the context axis: XLA blocks (ulysses attends whole rows: any kernel)
     config = dataclasses.replace(config, attention=impl)
     if kind == "usp" and spec.mesh.context > 1 and hasattr(config, "ulysses_ways"):
         config = dataclasses.replace(config, ulysses_ways=usp_ways(spec, spec.mesh.context))
+    config = tiling.resolve(spec, config)
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
     return for_platform(config, target) if for_platform else config
 
 
-def context_splash(spec: ExecutionSpec, impl: str) -> bool:
+def context_choice(spec: ExecutionSpec, target: str = "") -> tuple[str, str]:
+    """(job.model.context_parallel with auto resolved for the platform and shape, why auto chose it;
+    empty when it was named or there is no context axis): runner.models.context.choose."""
+    kind = spec.job.model.context_parallel
+    if kind != "auto" or spec.mesh.context <= 1:
+        return kind, ""
+    ways = spec.mesh.context
+    heads, _ = ulysses_heads(spec)
+    fits = [u for u in range(2, ways) if ways % u == 0 and heads % u == 0]
+    return context.choose(target or platform(spec), spec.train.seq_len, ways, heads, fits[-1] if fits else 0)
+
+
+def context_splash(spec: ExecutionSpec, impl: str, kind: str = "") -> bool:
     """Whether rows split over the context axis are attended by the splash kernel (runner.models
     .context): it is the implementation and each shard's rows fill the kernel's tiles; else XLA
     blocks."""
-    return impl in context.SPLASH and context.splash_fits(spec.job.model.context_parallel, spec.train.seq_len,
-                                                          spec.mesh.context)
+    return impl in context.SPLASH and context.splash_fits(kind or spec.job.model.context_parallel,
+                                                          spec.train.seq_len, spec.mesh.context)
 
 
 def check_spec(spec: ExecutionSpec) -> None:
@@ -73,11 +89,25 @@ def check_spec(spec: ExecutionSpec) -> None:
     config = family.config(spec.job.model)
     named = parse_topology(spec.topology).platform if spec.topology else "auto"
     attention.check(spec.job.model.attention, named, spec.job.model.compute_dtype, spec.train.seq_len)
+    check_offload(spec, named)
     if hasattr(family, "for_platform"):
         family.for_platform(config, named)
     if hasattr(family, "hf_architecture"):
         family.hf_architecture(config)
     check_quantization(spec, config)
+    tiling.check(spec, config)
+
+
+def check_offload(spec: ExecutionSpec, target: str) -> None:
+    """job.model.remat=offload needs a runtime that places arrays in host memory (TPU, GPU): on
+    another platform XLA ignores the placement, and the run would keep every layer's input on the
+    device as remat=full does, not where it was asked to. `target` auto: not known yet."""
+    if spec.job.model.remat == "offload" and target not in (*OFFLOAD_PLATFORMS, "auto"):
+        raise ConfigError("job.model.remat", "offload", f"it moves each layer's saved input to the host's pinned "
+                          f"memory between the forward and the backward pass, and this run's platform is {target}, "
+                          "whose runtime has no host memory apart from the device's: XLA would ignore the move and "
+                          "keep them on the device.", "use job.model.remat=full here (the same numbers), or a TPU or "
+                          "GPU topology (mode=compile shows the host memory it uses apart).")
 
 
 def check_quantization(spec: ExecutionSpec, config: Any) -> list[str]:

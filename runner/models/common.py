@@ -20,6 +20,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+from runner.models import tiling
 
 COMPUTE_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -185,10 +188,24 @@ def merge_heads(cfg: Any, y: jax.Array, use_bias: bool) -> jax.Array:
 
 KVCache = tuple[jax.Array, jax.Array]  # cached (keys, values): (B, L, K, H) for one layer, stacked over layers
 
+# The name a block gives its input (`layer_input`), so a policy can move it to host memory.
+LAYER_INPUT = "layer_input"
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "full": None,  # save nothing: recompute the whole block on the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # as full, with each block's input (what full keeps of a layer) in the host's pinned memory from
+    # the forward pass to the backward (MaxText's offloaded decoder_layer_input); TPU and GPU only
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT], offload_src="device",
+        offload_dst="pinned_host"),
 }
+# the platforms whose runtime places arrays in host memory (XLA's CPU backend ignores the placement)
+OFFLOAD_PLATFORMS = ("tpu", "gpu")
+
+
+def layer_input(x: jax.Array) -> jax.Array:
+    """`x`, named as a block's input for the remat policy (REMAT_POLICIES["offload"] offloads it)."""
+    return checkpoint_name(x, LAYER_INPUT)
 
 
 def remat_of(cfg: Any) -> str:
@@ -263,20 +280,37 @@ def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array
     return x, (jnp.stack([u[0] for u in updated]), jnp.stack([u[1] for u in updated]))
 
 
+def output_head(cfg: Any, embed: nn.Embed) -> tuple[nn.Module, Callable[[nn.Module, jax.Array], jax.Array]]:
+    """The output head and how it maps hidden states to float32 logits: the embedding transposed
+    when tied, else an ``lm_head``. Call inside a compact method."""
+    if cfg.tie_embeddings:
+        head, project = embed, lambda mdl, x: mdl.attend(x)
+    else:
+        head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
+                        kernel_init=normal_init(0.02, ("embed", "vocab")), name="lm_head")
+        project = lambda mdl, x: mdl(x)  # noqa: E731
+    return head, lambda mdl, x: nn.with_logical_constraint(project(mdl, x), ("batch", "length", "vocab")).astype(
+        jnp.float32)
+
+
 def output_logits(cfg: Any, x: jax.Array, embed: nn.Embed, new_cache: KVCache | None,
                   decoding: bool) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
-    """float32 logits from the final hidden states (the embedding transposed when tied, else an
-    ``lm_head``), with the updated cache when decoding. Call inside a compact method."""
-    if cfg.tie_embeddings:
-        logits = embed.attend(x)
-    else:
-        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.params_dtype,
-                          kernel_init=normal_init(0.02, ("embed", "vocab")), name="lm_head")(x)
-    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+    """float32 logits from the final hidden states (`output_head`), with the updated cache when
+    decoding. Call inside a compact method."""
+    head, project = output_head(cfg, embed)
+    logits = project(head, x)
     if not decoding:
         return logits
     assert new_cache is not None
     return logits, {"key": new_cache[0], "value": new_cache[1]}
+
+
+def output_losses(cfg: Any, x: jax.Array, embed: nn.Embed, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy of the output head's logits against `targets` (B, T), and whether
+    each target is their argmax, over cfg.loss_tiles tiles of the tokens (runner.models.tiling):
+    with more than one, the whole logits never exist. Call inside a compact method."""
+    head, project = output_head(cfg, embed)
+    return tiling.head_losses(project, head, x, targets, getattr(cfg, "loss_tiles", 1))
 
 
 class Decoder(nn.Module):
@@ -312,9 +346,14 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True,
                  cache: dict[str, jax.Array] | None = None, index: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                 targets: jax.Array | None = None) -> Any:
+        """The logits; with `targets` (B, T) instead each token's loss and whether its target is
+        the argmax (`output_losses`: what training and evaluation ask for, tiled when
+        cfg.loss_tiles says); with `cache`, (logits, updated cache)."""
         check_length(self.cfg, tokens.shape[1])
         caches = None if cache is None else (cache["key"], cache["value"])
         x, embed, new_cache = self.hidden(tokens, deterministic, caches, index, segment_ids, positions)
+        if targets is not None and cache is None:
+            return output_losses(self.cfg, x, embed, targets)
         return output_logits(self.cfg, x, embed, new_cache, decoding=cache is not None)

@@ -274,3 +274,47 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
                              out_specs=q_spec, check_vma=False)(q, k, v)
     return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1])), out_specs=q_spec,
                          check_vma=False)(q, k, v, segment_ids)
+
+
+# Splash's block tables for whole rows (ulysses) are prefetched into the chip's scalar memory:
+# measured at 1,048,576 tokens (2,048 x 2,048 blocks of 512) as 8 MiB against 1 MiB (docs/long-context.md),
+# 2 bytes a block, so whole rows fit up to 370,688 tokens (724 blocks of 512 a side).
+SMEM_BYTES, TABLE_BYTES_PER_BLOCK, TABLE_BLOCK = 1 << 20, 2, 512
+
+
+def whole_row_tables_fit(seq_len: int) -> bool:
+    """Whether splash's tables for whole `seq_len`-token rows fit a TPU's scalar memory."""
+    blocks = -(-seq_len // TABLE_BLOCK)
+    return blocks * blocks * TABLE_BYTES_PER_BLOCK <= SMEM_BYTES
+
+
+def choose(platform: str, seq_len: int, ways: int, heads: int, usp_ways: int) -> tuple[str, str]:
+    """context_parallel=auto: (the kind, why) for rows of `seq_len` tokens split `ways` ways, on
+    `platform`, with `heads` query heads on a device and `usp_ways` the largest usp group that
+    splits them (0: none).
+
+    GPU: ulysses, the one kind that attends by cuDNN's fused kernel (on whole rows); else usp;
+    else ring. TPU: ulysses while the whole row's splash tables fit scalar memory (MaxText
+    measured it 52% MFU against ring's 28.5% at 32K); else ring (the splash kernel per block, and
+    no device holds the whole row's keys: 41.6 GiB against allgather's 62.3 at 1M tokens); else
+    (tiles that do not fit ring's halves) allgather. CPU: allgather (XLA blocks run every kind
+    alike there, measured equal)."""
+    splits = heads % ways == 0
+    if platform == "gpu":
+        if splits:
+            return "ulysses", f"on a GPU only ulysses attends by cuDNN's fused kernel (whole rows, {heads} heads " \
+                              f"a device over mesh.context={ways})"
+        if usp_ways:
+            return "usp", f"the {heads} heads a device holds do not split {ways} ways; usp exchanges them in " \
+                          f"groups of {usp_ways} and rings the rest"
+        return "ring", f"no all-to-all group splits the {heads} heads a device holds; ring holds no whole row's keys"
+    if platform == "tpu":
+        if splits and whole_row_tables_fit(seq_len):
+            return "ulysses", f"{heads} heads a device split over mesh.context={ways}, and splash's tables for " \
+                              f"whole {seq_len:,}-token rows fit scalar memory"
+        why = (f"splash's tables for whole {seq_len:,}-token rows exceed scalar memory" if splits
+               else f"the {heads} heads a device holds do not split {ways} ways")
+        if splash_fits("ring", seq_len, ways):
+            return "ring", f"{why}; ring runs the splash kernel per block and holds no whole row's keys"
+        return "allgather", f"{why}, and ring's half blocks do not fill splash's 128-token tiles"
+    return "allgather", "on this platform XLA blocks run every kind alike"

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models import gpt_hf
+from runner.models import gpt_hf, tiling
 from runner.models.attention import attend
 from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLICIES, Decoder, Dtypes, KVCache,
-    activation, attend_cached, dense, embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks,
-    state_over_context, zeros_init)
+    activation, attend_cached, dense, embedding, layer_input, merge_heads, ones_init, project_heads, residual_std,
+    stack_blocks, state_over_context, zeros_init)
 from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.quantization import quantized
@@ -47,6 +47,8 @@ class GPTConfig(Dtypes):
     context_parallel: str = "auto"  # runner.models.context
     ulysses_ways: int = 0  # usp: the shards of each all-to-all group (runner.models.model_config resolves 0)
     remat: str = "auto"  # runner.models.common.remat_of
+    loss_tiles: int = 1  # the output head and loss over tiles of the tokens (runner.models.tiling; 0: whole)
+    mlp_tiles: int = 1  # the dense feed-forward over tiles of the tokens (runner.models.tiling)
     use_bias: bool = True
     scan_layers: bool = True
     activation: str = "gelu_new"  # transformers' name (runner.models.common.ACTIVATIONS)
@@ -66,7 +68,7 @@ class GPTConfig(Dtypes):
             if getattr(self, name) not in COMPUTE_DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(COMPUTE_DTYPES)}")
         if self.remat not in ("auto", "none", *REMAT_POLICIES):
-            raise ValueError(f"remat must be 'auto', 'none', 'full' or 'dots', got {self.remat!r}")
+            raise ValueError(f"remat must be 'auto', 'none', 'full', 'dots' or 'offload', got {self.remat!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -139,10 +141,12 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, cache: KVCache | None = None,
                  index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
+        x = layer_input(x)
         y, cache = CausalSelfAttention(cfg, self.deterministic, name="attn")(_layer_norm(cfg, "ln_1")(x), segment_ids,
                                                                             cache, index)
         x = x + y
-        x = x + MLP(cfg, self.deterministic, name="mlp")(_layer_norm(cfg, "ln_2")(x))
+        tiles = cfg.mlp_tiles if cache is None else 1  # tiled when training (a cache: decoding)
+        x = x + tiling.feed_forward(MLP(cfg, self.deterministic, name="mlp"), _layer_norm(cfg, "ln_2")(x), tiles)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 

@@ -25,10 +25,10 @@ import numpy as np
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models import llama_hf
+from runner.models import llama_hf, tiling
 from runner.models.attention import attend
 from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
-    embedding, merge_heads, ones_init, project_heads, residual_std, stack_blocks, state_over_context)
+    embedding, layer_input, merge_heads, ones_init, project_heads, residual_std, stack_blocks, state_over_context)
 from runner.models.context import from_context_order, to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
@@ -69,6 +69,8 @@ class LlamaConfig(Dtypes):
     context_parallel: str = "auto"  # runner.models.context
     ulysses_ways: int = 0  # usp: the shards of each all-to-all group (runner.models.model_config resolves 0)
     remat: str = "auto"  # runner.models.common.remat_of
+    loss_tiles: int = 1  # the output head and loss over tiles of the tokens (runner.models.tiling; 0: whole)
+    mlp_tiles: int = 1  # the dense feed-forward over tiles of the tokens (runner.models.tiling)
     scan_layers: bool = True
     moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
     moe_top_k: int = 2
@@ -234,11 +236,15 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
+        x = layer_input(x)
         norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
         y, cache = Attention(cfg, name="attn")(norm(name="attn_norm")(x), positions, segment_ids, cache, index)
         x = x + y
-        mlp = MoEMLP(cfg, activation(cfg.activation), name="moe") if self.sparse else MLP(cfg, name="mlp")
-        x = x + mlp(norm(name="mlp_norm")(x))
+        h = norm(name="mlp_norm")(x)
+        if self.sparse:
+            x = x + MoEMLP(cfg, activation(cfg.activation), name="moe")(h)
+        else:  # tiled when training (a cache: decoding a token or a prompt)
+            x = x + tiling.feed_forward(MLP(cfg, name="mlp"), h, cfg.mlp_tiles if cache is None else 1)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
 

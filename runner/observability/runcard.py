@@ -33,6 +33,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         f"mesh: {facts['mesh']} over {facts['devices']} devices, {facts['processes']} process(es)",
         "memory per device (estimate): " + (f"{mem / 2**20:,.1f} MiB ({facts['memory_source']})" if mem else "unknown"),
         *([f"attention: {facts['attention']}"] if facts.get("attention") else []),
+        *([facts["tiling"]] if facts.get("tiling") else []),
         *([facts["quantization"]] if facts.get("quantization") else []),
         *([facts["throughput"]] if facts.get("throughput") else []),
         *([facts["checkpoints"]] if facts.get("checkpoints") else []),

@@ -49,6 +49,7 @@ class MemoryUse:
     alias: int  # outputs written in place of donated inputs (the state)
     temp: int  # activations, gradients, optimizer scratch
     generated_code: int
+    host: int = 0  # in the host's memory (offloaded activations and optimizer state), not counted in total
 
     @property
     def total(self) -> int:
@@ -91,6 +92,7 @@ class CompileReport:
     quantized_matmuls: dict[str, int] | None = None  # int8 / fp8 matmul instructions in the compiled step
     format_peak_per_device: float | None = None  # the chip's peak in job.model.quantization's format
     kernels: dict[str, int] | None = None  # fused-kernel calls in the compiled step, by custom-call target
+    host_transfers: dict[str, int] | None = None  # copies to and from host memory in the compiled step
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -129,6 +131,10 @@ class CompileReport:
             lines += [f"  {name:<28}{_size(value):>12}" for name, value in rows]
             share = "" if not self.limit_bytes else f" ({100 * m.total / self.limit_bytes:.1f}%)"
             lines.append(f"  {'total':<28}{_size(m.total):>12}   of {limit} {self.limit_source}{share}")
+            if m.host or self.host_transfers:
+                moved = self.host_transfers or {}
+                lines.append(f"  {'host memory (apart)':<28}{_size(m.host):>12}   {moved.get('to_host', 0)} copies to "
+                             f"host and {moved.get('from_host', 0)} back in the compiled step (a loop body once)")
         else:
             lines.append(f"  {'arguments (state + batch)':<28}{_size(self.sharded_argument_bytes):>12}"
                          "   from the shardings")
@@ -348,7 +354,7 @@ def _advice(spec: Any, mesh: dict[str, int]) -> str:
                     f"{mesh.get('context', 1)} now)")
     if mesh.get("data", 1) > 1:
         ways.append(f"shard the state over the data axis's devices with mesh.fsdp (mesh.data={mesh['data']} now)")
-    if spec.job.model.remat != "full":
+    if spec.job.model.remat not in ("full", "offload"):
         ways.append(f"use job.model.remat=full ({spec.job.model.remat} now)")
     ways.append("pick a larger slice")
     return ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1]
@@ -374,8 +380,13 @@ def _tables_advice(spec: Any, mesh: dict[str, int]) -> str:
 
 
 def attention_summary(job: Any) -> str:
-    """The attention the step runs: the implementation, and how rows split over a context axis
-    are attended across it."""
+    """The attention the step runs: the implementation, how rows split over a context axis are
+    attended across it, and why, when context_parallel=auto chose the kind."""
+    why = getattr(job, "context_reason", "")
+    return _attention(job) + (f"; auto chose it: {why}" if why else "")
+
+
+def _attention(job: Any) -> str:
     impl, ways = str(getattr(job, "attention", "xla")), int(dict(job.mesh.shape).get("context", 1))
     if ways == 1:
         return impl
@@ -410,13 +421,43 @@ def ulysses_summary(config: Any, impl: str, shape: dict[str, int], kind: str = "
 
 
 def _model_notes(job: Any) -> str:
-    """The family's one-line account of how the model runs on this mesh (empty if it has none)."""
+    """The family's one-line account of how the model runs on this mesh (empty if it has none), and
+    the job's of the tiles of each row's tokens (runner.models.tiling)."""
     describe = getattr(getattr(job, "family", None), "describe", None)
-    return describe(job.model_config, dict(job.mesh.shape)) if describe else ""
+    notes = [describe(job.model_config, dict(job.mesh.shape)) if describe else "",
+             job.tiling() if hasattr(job, "tiling") else ""]
+    return "\n  ".join(note for note in notes if note)
 
 
 _DEFINED = re.compile(r"%(\S+) = \(?([a-z][a-z0-9]*)\[")  # an instruction's name and (first) element type
 _MATMUL = re.compile(r" (dot|convolution|custom-call)\(%([^,)\s]+), %([^,)\s]+)")
+
+
+_HOST = "S(5)"  # XLA's memory space of host memory, in a shape's layout
+_ASYNC = re.compile(r" (copy-start|dynamic-update-slice-start|dynamic-slice-start)\(")
+_SHAPE = re.compile(r"\w+\[[^\]]*\]\{[^}]*\}")
+
+
+def host_transfers(hlo: str) -> dict[str, int]:
+    """The compiled program's asynchronous copies to and from host memory (memory space 5), each
+    instruction once (a loop body counts once). A copy's result is (destination, source, ...): to
+    the host when the destination is there, back when the source is; an update-slice writes into
+    its first operand (to the host when that lives there), a slice reads its first operand (back
+    when that lives there)."""
+    moved = {"to_host": 0, "from_host": 0}
+    for line in hlo.splitlines():
+        match = _ASYNC.search(line)
+        if not match or "= " not in line[:match.start()]:
+            continue
+        shapes = _SHAPE.findall(line[line.index("= ") + 2:match.start()])
+        if len(shapes) < 2:
+            continue
+        if match.group(1) == "copy-start":
+            moved["to_host"] += _HOST in shapes[0] and _HOST not in shapes[1]
+            moved["from_host"] += _HOST in shapes[1] and _HOST not in shapes[0]
+        elif _HOST in shapes[0] and _HOST not in shapes[1]:
+            moved["to_host" if match.group(1) == "dynamic-update-slice-start" else "from_host"] += 1
+    return moved
 
 
 _KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*)"')
@@ -522,12 +563,15 @@ def _read_compiled(report: CompileReport, compiled: Any, limit: int | None) -> C
         report.memory = MemoryUse(
             argument=int(stats.argument_size_in_bytes), output=int(stats.output_size_in_bytes),
             alias=int(stats.alias_size_in_bytes), temp=int(stats.temp_size_in_bytes),
-            generated_code=int(stats.generated_code_size_in_bytes))
+            generated_code=int(stats.generated_code_size_in_bytes),
+            host=int(getattr(stats, "host_argument_size_in_bytes", 0) + getattr(stats, "host_output_size_in_bytes", 0)
+                     - getattr(stats, "host_alias_size_in_bytes", 0) + getattr(stats, "host_temp_size_in_bytes", 0)))
     report.flops_per_device = _flops(compiled)
     text = compiled.as_text()
     if report.quantization:
         report.quantized_matmuls = quantized_matmuls(text)
     report.kernels = fused_kernels(text)
+    report.host_transfers = host_transfers(text)
     report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in text
     report.fits = report.memory is None or limit is None or report.memory.total <= limit
     return report

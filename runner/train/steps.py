@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from runner.data.documents import model_inputs
-from runner.models.common import LOSSES, MODEL_STATE, REPORTS
+from runner.models.common import LOSSES, MODEL_STATE, REPORTS, Decoder
 from runner.observability import debug
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
@@ -24,6 +24,20 @@ Batch = Mapping[str, jax.Array]  # {"x", "y", "mask"} (+ "segment_ids", "positio
 LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
 
+def targets_of(state: Any, micro: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The targets for a model that computes its own per-token losses (a `Decoder`: so that it can
+    tile its output head, runner.models.tiling), else nothing: the model returns logits."""
+    return {"targets": micro["y"]} if isinstance(getattr(state.apply_fn, "__self__", None), Decoder) else {}
+
+
+def per_token(out: Any, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(each token's cross-entropy, whether its target is the argmax) from what the model returned:
+    those two already (given targets), or logits."""
+    if isinstance(out, tuple):
+        return out
+    return optax.softmax_cross_entropy_with_integer_labels(out, targets), jnp.argmax(out, -1) == targets
+
+
 def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array],
                key: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(sum of per-token cross-entropy over real targets, plus what the model's layers add to the
@@ -31,9 +45,9 @@ def token_loss(state: Any, params: Any, micro: Mapping[str, jax.Array],
     the layers report (their REPORTS, reduced over layers), and under MODEL_STATE the model state
     as the layers updated it, when the model has one)."""
     mutable = [LOSSES, REPORTS, *([MODEL_STATE] if state.model_state else [])]
-    logits, sown = state.apply_fn(state.variables(params), micro["x"], deterministic=False, rngs={"dropout": key},
-                                  mutable=mutable, **model_inputs(micro))
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
+    out, sown = state.apply_fn(state.variables(params), micro["x"], deterministic=False, rngs={"dropout": key},
+                               mutable=mutable, **model_inputs(micro), **targets_of(state, micro))
+    losses, _ = per_token(out, micro["y"])
     mask = micro["mask"].astype(jnp.float32)
     count = jnp.sum(mask)
     extra = sum((jnp.sum(leaf) for leaf in jax.tree.leaves(sown.get(LOSSES, {}))), jnp.zeros((), jnp.float32))
@@ -116,10 +130,11 @@ def val_step(state: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
     of real targets that are the argmax prediction})."""
 
     def one(carry, micro):
-        logits = state.apply_fn(state.variables(), micro["x"], deterministic=True, **model_inputs(micro))
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"])
+        out = state.apply_fn(state.variables(), micro["x"], deterministic=True, **model_inputs(micro),
+                             **targets_of(state, micro))
+        losses, right_ones = per_token(out, micro["y"])
         mask = micro["mask"].astype(jnp.float32)
-        correct = (jnp.argmax(logits, -1) == micro["y"]).astype(jnp.float32) * mask
+        correct = right_ones.astype(jnp.float32) * mask
         loss_sum, count, right = carry
         return (loss_sum + jnp.sum(losses * mask), count + jnp.sum(mask), right + jnp.sum(correct)), None
 

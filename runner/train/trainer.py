@@ -37,7 +37,7 @@ from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.errors import UserError
 from runner.evaluation.base import EvalContext, Evaluator, build_evaluators, prepare_all, run_all
 from runner.exits import HookError, Preempted, TrainingHalted
-from runner.models import ModelFamily, family_for
+from runner.models import ModelFamily, context_choice, family_for, tiling
 from runner.models.hf import HF_PREFIX
 from runner.observability import debug, goodput, runcard
 from runner.observability.goodput import Goodput
@@ -87,6 +87,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         shape = mesh_shape(spec, len(self.devices))
         self.mesh = make_mesh(shape, self.devices, num_slices=max(self.topology.num_slices or 1, 1))
         self.model_config: C = self.config_from_spec(spec)
+        self.context_reason = context_choice(spec)[1]  # why context_parallel=auto chose its kind (the launch says)
         self.model: M = self.build_model(self.model_config)
         self.strategy: DatasetStrategy = build_strategy(spec.data.strategy, spec.data)
         if spec.data.document_mask:
@@ -137,6 +138,10 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """The parameters one token uses, if fewer than all (a mixture of experts): the run card
         shows both."""
         return None
+
+    def tiling(self) -> str:
+        """The launch's line on the tiles of each row's tokens (runner.models.tiling); empty when none."""
+        return tiling.describe(self.model_config, self.spec)
 
     def check_vocab(self) -> None:
         if self.strategy.vocab_size > self.model_vocab_size():
@@ -523,6 +528,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 self._facts["active_parameters"] = active
             if getattr(self, "attention", ""):
                 self._facts["attention"] = attention_summary(self)
+            self._facts["tiling"] = self.tiling()
             self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
             if getattr(self, "quantization", ""):
                 self._facts["quantization"] = self.quantization

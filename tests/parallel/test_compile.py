@@ -104,13 +104,18 @@ def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) 
 
 @pytest.mark.e2e
 @needs_libtpu
-@pytest.mark.parametrize("kind, summary", [("auto", "splash kernel on each shard's rows"),
-                                           ("ring", "splash kernel per block, key/value blocks passed around")],
-                         ids=["allgather", "ring"])
+@pytest.mark.parametrize("kind, summary", [
+    ("allgather", "splash kernel on each shard's rows"),
+    ("ring", "splash kernel per block, key/value blocks passed around"),
+    ("auto", "splash on whole rows, 1 head per device, heads and sequence exchanged by all-to-all over mesh.context=4 "
+             "(ulysses); key/value heads repeated to one per query head (2 on a device do not split 4 ways); "
+             "auto chose it: 4 heads a device split over mesh.context=4, and splash's tables for whole "
+             "1,024-token rows fit scalar memory")])
 def test_context_parallel_rows_take_the_splash_kernel_per_shard(tmp_path: Path, kind: str, summary: str) -> None:
-    """Rows split over mesh.context=4 on a v5p-8, attention=auto: allgather (auto) runs the splash
-    kernel on each shard's rows, ring on each block it passes (Mosaic calls in the compiled step),
-    and the report says which."""
+    """Rows split over mesh.context=4 on a v5p-8, attention=auto: allgather runs the splash kernel
+    on each shard's rows, ring on each block it passes, and auto takes ulysses (the kernel on whole
+    rows: the heads split and the tables fit) (Mosaic calls in the compiled step); the report says
+    which, and why auto chose it."""
     proc = run_runner(["topology=v5p-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
                        "train.seq_len=1024", "job.model.context_length=1024", "train.batch_size=4",
                        "eval.batch_size=4", "mesh.data=1", "mesh.context=4", f"job.model.context_parallel={kind}",
@@ -119,6 +124,8 @@ def test_context_parallel_rows_take_the_splash_kernel_per_shard(tmp_path: Path, 
     report = _summary(proc.stdout)
     assert report["attention"].startswith(summary), report["attention"]
     assert report["kernels"]["tpu_custom_call"] > 0
+    # no host offload asked: none in the program (tests/parallel/test_offload.py asks for it)
+    assert report["memory"]["host"] == 0 and report["host_transfers"] == {"to_host": 0, "from_host": 0}
 
 
 @pytest.mark.e2e

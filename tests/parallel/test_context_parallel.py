@@ -259,17 +259,19 @@ def losses(run_dir) -> dict[int, float]:
 @pytest.mark.e2e
 def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_context_size(tmp_path) -> None:
     """30 steps of packed documents through `python -m runner`: (data 2, context 2) by allgather
-    and by ulysses, (context 4) by ring and by usp (groups of 2, a ring of 2: the ways usp picks for
-    2 heads), match one device; a run killed at step 22 resumes bit-exact on the same mesh
-    (allgather, ulysses and usp), and on (context 4) onto the same curve. Runs on one mesh shape
-    share a sweep, one process."""
+    and by ulysses, both with the loss and the feed-forward in 2 tiles (runner.models.tiling),
+    (context 4) by ring and by usp (groups of 2, a ring of 2: the ways usp picks for 2 heads),
+    untiled, match one untiled device; a run killed at step 22 resumes bit-exact on the same mesh
+    (allgather and ulysses tiled, usp), and a tiled one on an untiled (context 4) onto the same
+    curve. Runs on one mesh shape share a sweep, one process."""
     from tests.train.test_restore import params_of
 
     one = run_runner([*RUN, "run.dir=one"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     want = losses(tmp_path / "one")
     assert sorted(want) == list(range(1, 31)) and want[30] < want[1]
-    pairs, fours = ["mesh.data=2", "mesh.context=2"], ["mesh.data=1", "mesh.context=4"]
+    tiles = ["job.model.loss_tiles=2", "job.model.mlp_tiles=2"]
+    pairs, fours = ["mesh.data=2", "mesh.context=2", *tiles], ["mesh.data=1", "mesh.context=4"]
     for sweep, mesh, kinds in (("pairs", pairs, "allgather,ulysses"), ("fours", fours, "ring,usp")):
         done = run_runner(["-m", *RUN, *mesh, f"job.model.context_parallel={kinds}", f"run.sweep={sweep}",
                            "run.dir=whole/${job.model.context_parallel}"], tmp_path, devices=4)
@@ -279,6 +281,7 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
         assert got.keys() == want.keys(), kind
         assert_close_losses(got, want, range(1, 31), kind)
     assert "(ulysses)" in (tmp_path / "whole" / "ulysses" / "RUN_CARD.md").read_text()
+    assert "tiles: output head and loss over 2 tiles" in (tmp_path / "whole" / "allgather" / "RUN_CARD.md").read_text()
     assert "(usp): all-to-all within groups of 2 shards" in (tmp_path / "whole" / "usp" / "RUN_CARD.md").read_text()
 
     for kind, mesh in (("allgather", pairs), ("ulysses", pairs), ("usp", fours), ("moved", pairs)):
@@ -496,3 +499,36 @@ def test_the_long_context_recipe_runs_end_to_end(tmp_path) -> None:
         [r["loss"] for r in cold_records if r.get("step") == 1][0] - 1.0  # it starts from what the short run learned
     evals = [r for r in warm_records if "eval/stdlib/loss" in r]
     assert evals and evals[-1]["step"] == 6 and np.isfinite(evals[-1]["eval/stdlib/loss"])
+
+
+@pytest.mark.parametrize("topology, seq_len, n_heads, kind, why", [
+    ("h100-8", 4096, 8, "ulysses", "on a GPU only ulysses attends by cuDNN's fused kernel"),
+    ("h100-8", 4096, 2, "usp", "the 2 heads a device holds do not split 4 ways; usp exchanges them in groups of 2"),
+    ("h100-8", 4096, 1, "ring", "no all-to-all group splits the 1 heads a device holds"),
+    ("v5p-8", 131072, 8, "ulysses", "splash's tables for whole 131,072-token rows fit scalar memory"),
+    ("v5p-8", 1048576, 8, "ring", "splash's tables for whole 1,048,576-token rows exceed scalar memory; ring runs"),
+    ("v5p-8", 4096, 2, "ring", "the 2 heads a device holds do not split 4 ways; ring runs the splash kernel"),
+    ("v5p-8", 1536, 2, "allgather", "ring's half blocks do not fill splash's 128-token tiles"),
+    ("cpu-4", 512, 4, "allgather", "XLA blocks run every kind alike"),
+])
+def test_auto_picks_the_context_split_per_platform_and_shape_and_says_why(topology: str, seq_len: int, n_heads: int,
+                                                                          kind: str, why: str) -> None:
+    """context_parallel=auto over mesh.context=4: on a GPU ulysses (cuDNN on whole rows) when the
+    heads split, else usp, else ring; on a TPU ulysses while whole rows' splash tables fit scalar
+    memory, else ring (splash per block), else allgather; on a CPU allgather. The model runs what
+    was chosen, and the reason is what the launch's attention line adds."""
+    from runner.models import context_choice, model_config
+    from runner.models.context import whole_row_tables_fit
+    from runner.spec import ExecutionSpec, MeshSpec, ModelSpec, TrainSpec
+
+    spec = dataclasses.replace(ExecutionSpec(topology=topology), mesh=MeshSpec(data=1, context=4),
+                               train=TrainSpec(seq_len=seq_len, batch_size=8))
+    model = ModelSpec(family="llama", n_heads=n_heads, d_model=64 * n_heads, context_length=seq_len)
+    spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=model))
+    chosen, reason = context_choice(spec)
+    assert chosen == kind and why in reason, reason
+    assert model_config(spec).context_parallel == kind
+    assert whole_row_tables_fit(370688) and not whole_row_tables_fit(370689)  # 724 blocks of 512 a side: 1 MiB
+    named = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=dataclasses.replace(
+        model, context_parallel="ring")))
+    assert context_choice(named) == ("ring", "")
