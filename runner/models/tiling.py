@@ -19,6 +19,7 @@ their quantization are the untiled ones: a checkpoint does not know whether a ru
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -28,6 +29,8 @@ from flax import linen as nn
 
 from runner.errors import ConfigError
 from runner.models import quantization
+from runner.parallel.mesh import mesh_shape
+from runner.parallel.topology import parse_topology
 
 
 def split_tiles(x: jax.Array, tiles: int) -> jax.Array:
@@ -77,9 +80,14 @@ def head_losses(project: Callable[[nn.Module, jax.Array], jax.Array], head: nn.M
 
 def tokens_per_device(spec: Any) -> int:
     """The tokens of one micro-batch that each device computes the head over: its rows (the batch
-    over data x fsdp x expert) times its share of each row (over context)."""
+    over data x fsdp x expert, an axis left to fill, -1, filled from the topology's devices, or with
+    topology=auto the ones JAX sees) times its share of each row (over context)."""
     mesh = spec.mesh
-    rows = max(1, spec.train.batch_size // spec.train.accumulate_steps // (mesh.data * mesh.fsdp * mesh.expert))
+    ways = mesh.data * mesh.fsdp * mesh.expert
+    if ways < 0:
+        devices = (parse_topology(spec.topology).num_devices if spec.topology else 0) or jax.device_count()
+        ways = math.prod(v for k, v in mesh_shape(spec, devices).items() if k in ("data", "fsdp", "expert"))
+    rows = max(1, spec.train.batch_size // spec.train.accumulate_steps // ways)
     return rows * spec.train.seq_len // mesh.context
 
 

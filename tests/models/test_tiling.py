@@ -158,6 +158,9 @@ def test_auto_tiles_the_head_only_when_a_devices_logits_would_be_large() -> None
                  "train.batch_size=4", "train.accumulate_steps=1", "eval.batch_size=4", "mesh.fsdp=4",
                  "mesh.context=32", tiny=False)
     assert tiling.tokens_per_device(long) == 4096
+    filled = _spec("job=llama3_8b", "topology=v5p-8", "train.seq_len=8192", "train.batch_size=32",
+                   "train.accumulate_steps=1", "eval.batch_size=32", tiny=False)
+    assert filled.mesh.fsdp == -1 and tiling.tokens_per_device(filled) == 8 * 8192  # fsdp fills v5p-8's 4 devices
     config = model_config(long)
     assert config.loss_tiles == 8  # 4,096 tokens x 128,256 words x 4 bytes = 1.96 GiB; 8 tiles of 251 MiB
     line = tiling.describe(config, long)
