@@ -247,9 +247,11 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
     if kind == "usp" and not (1 < split < ways and ways % split == 0):
         raise ValueError(f"usp: ulysses_ways={ulysses_ways} must divide mesh.context={ways} and lie between them "
                          "(runner.models.model_config resolves 0; runner.parallel.mesh.check_context refuses this)")
-    if kv_spec[2] != q_spec[2] or local_heads(k.shape[2], kv_spec[2], mesh) % split:
-        # kv heads replicated while query heads are split, or too few to split over the shards
-        # (ulysses, usp): one kv head per query head
+    if (local_heads(q.shape[2], q_spec[2], mesh) * k.shape[2] != local_heads(k.shape[2], kv_spec[2], mesh) * q.shape[2]
+            or local_heads(k.shape[2], kv_spec[2], mesh) % split):
+        # kv heads replicated while query heads are split (over a tensor axis of more than one: a
+        # size-1 axis splits nothing, and a grouped-query row's kv heads travel as they are), or too
+        # few to split over the shards (ulysses, usp): one kv head per query head
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec

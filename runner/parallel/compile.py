@@ -93,6 +93,7 @@ class CompileReport:
     format_peak_per_device: float | None = None  # the chip's peak in job.model.quantization's format
     kernels: dict[str, int] | None = None  # fused-kernel calls in the compiled step, by custom-call target
     host_transfers: dict[str, int] | None = None  # copies to and from host memory in the compiled step
+    collective_bytes: dict[str, int] | None = None  # per device per step, by kind (`collective_bytes`)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -117,6 +118,9 @@ class CompileReport:
               if counts is not None else []),
             *(["  compiled step's fused kernels: " + ", ".join(f"{n} x {target}" for target, n in self.kernels.items())]
               if self.kernels else []),
+            *(["  collectives per step and device (loop bodies times their trips): "
+               + ", ".join(f"{kind} {_size(n)}" for kind, n in sorted(self.collective_bytes.items()))]
+              if self.collective_bytes else []),
         ]
 
     def text(self) -> str:
@@ -460,6 +464,75 @@ def host_transfers(hlo: str) -> dict[str, int]:
     return moved
 
 
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9\-]*)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+_CALLEE = re.compile(r"(?:body|calls)=%([^\s,)]+)")
+_CONDITION = re.compile(r"condition=%([^\s,)]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_BOUND = re.compile(r"= s32\[\]\{?[^ ]* constant\((\d+)\)")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _bytes_of(result: str) -> int:
+    """The bytes of every array in an instruction's result type (a tuple's summed)."""
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+        total += _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Per device, the bytes of the results of the compiled step's collectives, by kind, each loop
+    body times its trip count (the layer scan's 32 layers, say): what each device receives from
+    the others in one step. An asynchronous collective counts at its `-done`; one wrapped in an
+    async computation counts inside it. A loop's trip count is XLA's known_trip_count, else the
+    one integer its condition compares the counter with (a scan's length), else 1."""
+    own: dict[str, dict[str, int]] = {}
+    calls: dict[str, list[tuple[str, Any]]] = {}
+    bounds: dict[str, set[int]] = {}
+    entry, name = "", ""
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            name = header.group(1)
+            entry = name if line.startswith("ENTRY") else entry
+            own[name], calls[name], bounds[name] = {}, [], set()
+            continue
+        bound = _BOUND.search(line) if name else None
+        if bound:
+            bounds[name].add(int(bound.group(1)))
+        match = _OP.match(line) if name else None
+        if not match:
+            continue
+        result, op = match.groups()
+        kind = op[:-5] if op.endswith("-done") else op
+        if kind in _COLLECTIVES and not op.endswith("-start"):
+            own[name][kind] = own[name].get(kind, 0) + _bytes_of(result)
+        if op in ("while", "call", "async-start", "conditional"):
+            trips, condition = _TRIPS.search(line), _CONDITION.search(line)
+            times: Any = int(trips.group(1)) if trips else condition.group(1) if op == "while" and condition else 1
+            calls[name] += [(callee, times) for callee in _CALLEE.findall(line)]
+
+    def trips_of(times: Any) -> int:
+        if isinstance(times, int):
+            return times
+        found = bounds.get(times, set())
+        return next(iter(found)) if len(found) == 1 else 1
+
+    def total(comp: str, seen: tuple[str, ...] = ()) -> dict[str, int]:
+        out = dict(own.get(comp, {}))
+        for callee, condition in calls.get(comp, []):
+            times = trips_of(condition)
+            if callee not in seen:
+                for kind, n in total(callee, (*seen, comp)).items():
+                    out[kind] = out.get(kind, 0) + times * n
+        return out
+
+    return total(entry) if entry else {}
+
+
 _KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*)"')
 
 
@@ -572,6 +645,7 @@ def _read_compiled(report: CompileReport, compiled: Any, limit: int | None) -> C
         report.quantized_matmuls = quantized_matmuls(text)
     report.kernels = fused_kernels(text)
     report.host_transfers = host_transfers(text)
+    report.collective_bytes = collective_bytes(text)
     report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in text
     report.fits = report.memory is None or limit is None or report.memory.total <= limit
     return report

@@ -33,8 +33,10 @@ needs_libtpu = pytest.mark.skipif(
 SMALL = [*TINY, "train.batch_size=32", "eval.batch_size=16", "data.strategy=synthetic"]
 # One layer, but GPT-2's vocabulary at 16384 x 1024 tokens: the logits alone are ~200 GiB per
 # v4 device, far past any HBM (and past this machine's RAM for cpu-4).
+# the whole logits of 1,024 rows a device (job.model.loss_tiles=1: tiled, as auto would, they fit)
 OVERSIZED = [*TINY, "job.model.n_layers=1", "job.model.vocab_size=50304", "job.model.context_length=1024",
-             "train.seq_len=1024", "train.batch_size=16384", "eval.batch_size=16", "data.strategy=synthetic"]
+             "train.seq_len=1024", "train.batch_size=16384", "eval.batch_size=16", "data.strategy=synthetic",
+             "job.model.loss_tiles=1"]
 
 
 def test_ci_has_libtpu() -> None:
@@ -115,7 +117,8 @@ def test_context_parallel_rows_take_the_splash_kernel_per_shard(tmp_path: Path, 
     """Rows split over mesh.context=4 on a v5p-8, attention=auto: allgather runs the splash kernel
     on each shard's rows, ring on each block it passes, and auto takes ulysses (the kernel on whole
     rows: the heads split and the tables fit) (Mosaic calls in the compiled step); the report says
-    which, and why auto chose it."""
+    which, and why auto chose it, and counts each kind's own collective in the compiled step
+    (all-gather, collective-permute, all-to-all: only ulysses moves heads)."""
     proc = run_runner(["topology=v5p-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
                        "train.seq_len=1024", "job.model.context_length=1024", "train.batch_size=4",
                        "eval.batch_size=4", "mesh.data=1", "mesh.context=4", f"job.model.context_parallel={kind}",
@@ -126,6 +129,9 @@ def test_context_parallel_rows_take_the_splash_kernel_per_shard(tmp_path: Path, 
     assert report["kernels"]["tpu_custom_call"] > 0
     # no host offload asked: none in the program (tests/parallel/test_offload.py asks for it)
     assert report["memory"]["host"] == 0 and report["host_transfers"] == {"to_host": 0, "from_host": 0}
+    moved = report["collective_bytes"]  # each kind's own collective, read from the compiled step
+    assert moved.get({"allgather": "all-gather", "ring": "collective-permute", "auto": "all-to-all"}[kind], 0) > 0
+    assert ("all-to-all" in moved) == (kind == "auto") and "collectives per step and device" in proc.stdout
 
 
 @pytest.mark.e2e
@@ -243,3 +249,49 @@ def test_kernel_tables_past_the_scalar_memory_are_told_apart_from_hbm_with_their
     assert "ran out of device memory" not in text and "fits: NO" in text and "allgather or ring" in text
     split = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(context_parallel="ring")))
     assert "split each row over more devices with mesh.context" in _tables_advice(split, {"context": 32})
+
+
+SYNTHETIC_HLO = """HloModule step
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %constant.1 = s32[]{:T(128)} constant(32)
+  ROOT %lt = pred[] compare(%i, %constant.1), direction=LT
+}
+
+%layer (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %all-gather-start = (f32[8]{0}, f32[32]{0}) all-gather-start(%x), dimensions={0}
+  %all-gather-done = f32[32]{0} all-gather-done(%all-gather-start)
+  %a2a = (bf16[4,16]{1,0}, bf16[4,16]{1,0}) all-to-all(%x, %x), dimensions={0}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%wrapped (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %permute = f32[1024]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%layer
+  %start = ((f32[1024]{0}), f32[1024]{0}, u32[]) async-start(%b), calls=%wrapped
+  %done = f32[1024]{0} async-done(%start), calls=%wrapped
+  %sum = f32[2,8]{1,0} all-reduce(%a), to_apply=%add
+  %fixed = (s32[], f32[8]{0}) while(%init), condition=%other, body=%layer, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[8]{0} copy(%a)
+}
+"""
+
+
+def test_collective_bytes_count_each_loop_body_times_its_trips_and_each_async_collective_once() -> None:
+    """The layer loop's body 32 times (the bound its condition compares with) and another 3 times
+    (XLA's known trip count): a 128-byte all-gather counted at its -done, a two-array bf16
+    all-to-all of 256 bytes; a collective-permute wrapped in an async computation once (not again
+    at its async-done); a top-level all-reduce once."""
+    from runner.parallel.compile import collective_bytes
+
+    assert collective_bytes(SYNTHETIC_HLO) == {"all-gather": 35 * 128, "all-to-all": 35 * 256,
+                                               "collective-permute": 4096, "all-reduce": 64}
