@@ -137,7 +137,7 @@ def check(spec: Any, config: Any) -> None:
             _refuse(key, tiles, f"the {model.family} family does not tile it (its config has no {key}).",
                     f"drop job.model.{key}, or use a family that tiles (gpt, llama).")
         if tiles > 1 and share % tiles:
-            _refuse(key, tiles, f"a tile is every {tiles}th token of each device's share of a row, and that share "
+            _refuse(key, tiles, f"a tile takes one token in {tiles} of each device's share of a row, and that share "
                     f"(train.seq_len={spec.train.seq_len} / mesh.context={spec.mesh.context} = {share} tokens) does "
                     f"not divide by {tiles}.", f"use a divisor of {share}, e.g. {_divisor_below(share, tiles)}.")
     for key, scope in (("loss_tiles", "head"), ("mlp_tiles", "mlp")):
