@@ -99,8 +99,8 @@ def test_the_whole_logits_never_exist_in_the_tiled_step() -> None:
 
 @pytest.mark.e2e
 def test_tiles_on_4_and_8_devices_give_the_one_device_loss_and_gradients(tmp_path) -> None:
-    """8 CPU devices, meshes of 4 and of 8: tiles beside data, fsdp, tensor, context (ulysses, usp,
-    ring) and expert axes, for llama (grouped-query), gpt and an MoE (loss tiles; against its dense
+    """8 CPU devices, meshes of 4 and of 8: tiles beside data, fsdp, tensor, context (allgather,
+    ring, ulysses, usp) and expert axes, for llama (grouped-query), gpt and an MoE (loss tiles; against its dense
     dispatch), with packed documents: the loss and every gradient within float32 rounding of the
     untiled model on one device."""
     out = run_script(MODELS + TILED_MESHES, tmp_path, devices=8)
