@@ -17,7 +17,7 @@ from runner.models import attention, context, hf, quantization, tiling
 from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
 from runner.models.common import OFFLOAD_PLATFORMS
 from runner.models.family import MODEL_FAMILIES, ModelFamily
-from runner.parallel.mesh import ulysses_heads, usp_ways
+from runner.parallel.mesh import ulysses_heads, usp_group_sizes, usp_ways
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
 
@@ -69,7 +69,7 @@ def context_choice(spec: ExecutionSpec, target: str = "") -> tuple[str, str]:
         return kind, ""
     ways = spec.mesh.context
     heads, _ = ulysses_heads(spec)
-    fits = [u for u in range(2, ways) if ways % u == 0 and heads % u == 0]
+    fits = usp_group_sizes(heads, ways)
     return context.choose(target or platform(spec), spec.train.seq_len, ways, heads, fits[-1] if fits else 0)
 
 

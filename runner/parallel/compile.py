@@ -135,10 +135,12 @@ class CompileReport:
             lines += [f"  {name:<28}{_size(value):>12}" for name, value in rows]
             share = "" if not self.limit_bytes else f" ({100 * m.total / self.limit_bytes:.1f}%)"
             lines.append(f"  {'total':<28}{_size(m.total):>12}   of {limit} {self.limit_source}{share}")
-            if m.host or self.host_transfers:
-                moved = self.host_transfers or {}
-                lines.append(f"  {'host memory (apart)':<28}{_size(m.host):>12}   {moved.get('to_host', 0)} copies to "
-                             f"host and {moved.get('from_host', 0)} back in the compiled step (a loop body once)")
+            moved = self.host_transfers or {}
+            if m.host or any(moved.values()):
+                counted = (f"{moved.get('to_host', 0)} copies to host and {moved.get('from_host', 0)} back in the "
+                           "compiled step (a loop body once)") if any(moved.values()) else \
+                    "its copies are not counted on this platform (the counter reads TPU's)"
+                lines.append(f"  {'host memory (apart)':<28}{_size(m.host):>12}   {counted}")
         else:
             lines.append(f"  {'arguments (state + batch)':<28}{_size(self.sharded_argument_bytes):>12}"
                          "   from the shardings")

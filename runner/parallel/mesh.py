@@ -213,12 +213,18 @@ def check_ulysses(spec: Any, context: int, tensor: int = 0) -> None:
                           "ring (they split the sequence, not the heads).")
 
 
+def usp_group_sizes(heads: int, context: int) -> list[int]:
+    """The all-to-all group sizes usp can take: divisors of `context` strictly between 1 and it that
+    divide the `heads` a device holds, smallest first."""
+    return [u for u in range(2, context) if context % u == 0 and heads % u == 0]
+
+
 def usp_ways(spec: Any, context: int, tensor: int = 0) -> int:
     """The shards of each of usp's all-to-all groups: job.model.ulysses_ways, or (0) the largest
     divisor of `context` below it that divides the query heads a device holds. A ConfigError
     when the set value does not divide the context axis or the heads, or none fits."""
     heads, _ = ulysses_heads(spec, tensor)
-    fits = [u for u in range(2, context) if context % u == 0 and heads % u == 0]
+    fits = usp_group_sizes(heads, context)
     asked = spec.job.model.ulysses_ways
     if asked == 0 and fits:
         return fits[-1]

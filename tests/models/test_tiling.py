@@ -17,7 +17,7 @@ import pytest
 from flax import linen as nn
 
 from tests.conftest import TINY, refused_in_process
-from tests.parallel.equivalence import run_script
+from tests.parallel.equivalence import relative_error, run_script
 
 MODELS = """
 import dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
@@ -56,12 +56,6 @@ def _namespace() -> dict:
     return scope
 
 
-def _error(got, want) -> float:
-    from tests.parallel.equivalence import relative_error
-
-    return relative_error(got, want)
-
-
 @pytest.mark.parametrize("name", ["llama", "gpt", "moe"])
 def test_tiles_give_the_untiled_loss_and_every_gradient_under_an_outer_scale(name: str) -> None:
     """One device: loss_tiles 4, mlp_tiles 8 (dense MLPs), both, against the untiled model with the
@@ -76,11 +70,11 @@ def test_tiles_give_the_untiled_loss_and_every_gradient_under_an_outer_scale(nam
     for tiles in cases:
         tiled = Model(dataclasses.replace(cfg, **tiles))
         ((loss, (losses, correct)), grads), _ = scope["loss_and_grads"](tiled, params)
-        assert _error((loss, losses), (want_loss, want_losses)) < 1e-6, tiles
+        assert relative_error((loss, losses), (want_loss, want_losses)) < 1e-6, tiles
         np.testing.assert_array_equal(correct, want_correct)
-        assert _error(grads, want_grads) < 1e-5, tiles
+        assert relative_error(grads, want_grads) < 1e-5, tiles
         (_, unscaled), _ = scope["loss_and_grads"](tiled, params, scale=1.0)
-        assert _error(jax.tree.map(lambda g: 3.5 * g, unscaled), want_grads) < 1e-5, tiles
+        assert relative_error(jax.tree.map(lambda g: 3.5 * g, unscaled), want_grads) < 1e-5, tiles
 
 
 def test_the_whole_logits_never_exist_in_the_tiled_step() -> None:
