@@ -304,9 +304,12 @@ class OptimizerSpec(_Frozen):
     nesterov: bool = False  # sgd, muon: Nesterov momentum
     clip_norm: Optional[float] = 1.0  # gradients are first clipped to this global norm; null: no clipping
     state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored
+    # none | host: keep the optimizer state in the host's pinned memory between steps, copied to the
+    # device for the update only (runner.optim.offload: TPU, GPU; on a CPU it is the same memory)
+    offload: str = "none"
 
     def check(self, spec: ExecutionSpec) -> None:
-        _check_rules("optimizer", self, (("lr", "> 0"), ("state_dtype", DTYPES)))
+        _check_rules("optimizer", self, (("lr", "> 0"), ("state_dtype", DTYPES), ("offload", ("none", "host"))))
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,23 @@ def _all(leaves: list[jax.Array]) -> list[jax.Array]:
     return [_checksum(x) for x in leaves]
 
 
+@jax.jit
+def _from_host(x: jax.Array) -> jax.Array:
+    return _checksum(jax.device_put(x, jax.memory.Space.Device))
+
+
+def _in_host_memory(x: jax.Array) -> bool:
+    return getattr(x.sharding, "memory_kind", None) == "pinned_host"
+
+
 def checksums(tree: Any) -> dict[str, int]:
-    """{path: checksum} for every array of `tree` (every process gets the same values)."""
+    """{path: checksum} for every array of `tree` (every process gets the same values). An array
+    kept in host memory (optimizer.offload=host) is copied to the device one at a time, so a save
+    never holds the whole offloaded state on the device."""
     paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     leaves = [jnp.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf for _, leaf in paths_and_leaves]
-    values = jax.device_get(_all(leaves))
+    on_device = _all([x for x in leaves if not _in_host_memory(x)])[::-1]
+    values = jax.device_get([_from_host(x) if _in_host_memory(x) else on_device.pop() for x in leaves])
     return {jax.tree_util.keystr(path): int(np.asarray(v)) for (path, _), v in zip(paths_and_leaves, values)}
 
 

@@ -101,7 +101,10 @@ def _from_holders(x: jax.Array, flags: jax.Array, sharding: NamedSharding) -> ja
             bits = jax.lax.pmax(bits, replica_axes)
         return _unbits(bits, block.dtype)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, P(*mesh.axis_names)), out_specs=spec)(x, flags)
+    in_host = sharding.memory_kind == "pinned_host"  # optimizer.offload=host: rebuilt on the device, kept on the host
+    x = jax.device_put(x, sharding.with_memory_kind("device")) if in_host else x
+    out = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(*mesh.axis_names)), out_specs=spec)(x, flags)
+    return jax.device_put(out, sharding) if in_host else out
 
 
 def rebuild(tree: Any, holders: Collection[int]) -> Any:

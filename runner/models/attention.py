@@ -143,10 +143,16 @@ def check(name: str, platform: str, compute_dtype: str, seq_len: int) -> str:
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-           kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto", ulysses_ways: int = 0) -> jax.Array:
+           kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto", ulysses_ways: int = 0,
+           initializing: bool = False) -> jax.Array:
     """Causal attention by implementation `impl` (`auto` resolved for the running backend); rows
     split over a context axis (runner.models.context, in its order) by `context_parallel` (usp:
-    ulysses within groups of `ulysses_ways` shards)."""
+    ulysses within groups of `ulysses_ways` shards). While the model is `initializing`, XLA's on
+    whole rows: init's forward pass is traced and thrown away (no parameter depends on how attention
+    runs), and a kernel's tables for whole rows are built in numpy while tracing (about 70 s for a
+    1,048,576-token row, 16 times that for 4,194,304)."""
+    if initializing:
+        return xla_attention(q, k, v, segment_ids, kv_axes=kv_axes)
     if impl == "auto":  # a config that did not go through `check`: the default backend decides
         impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
                        q.shape[1])

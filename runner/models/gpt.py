@@ -108,7 +108,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (project_heads(cfg, x, cfg.n_heads, "heads", cfg.use_bias, n) for n in ("query", "key", "value"))
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids, context_parallel=cfg.context_parallel,
-                       ulysses_ways=cfg.ulysses_ways)  # (B,T,N,H)
+                       ulysses_ways=cfg.ulysses_ways, initializing=self.is_initializing())  # (B,T,N,H)
         else:
             y, cache = attend_cached(q, k, v, cache, index)
         y = merge_heads(cfg, y, cfg.use_bias)

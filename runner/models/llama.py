@@ -204,7 +204,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"),
-                       context_parallel=cfg.context_parallel, ulysses_ways=cfg.ulysses_ways)
+                       context_parallel=cfg.context_parallel, ulysses_ways=cfg.ulysses_ways,
+                       initializing=self.is_initializing())
         else:  # positions are index + t when decoding (Llama.hidden)
             y, cache = attend_cached(q, k, v, cache, index)
         return merge_heads(cfg, y, cfg.out_bias), cache

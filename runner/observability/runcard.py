@@ -31,7 +31,9 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
         "training FLOPs per token: " + (_human(facts["flops_per_token"], "FLOP") if facts.get("flops_per_token")
                                          else "unknown"),
         f"mesh: {facts['mesh']} over {facts['devices']} devices, {facts['processes']} process(es)",
-        "memory per device (estimate): " + (f"{mem / 2**20:,.1f} MiB ({facts['memory_source']})" if mem else "unknown"),
+        "memory per device (estimate): " + (f"{mem / 2**20:,.1f} MiB ({facts['memory_source']})" if mem else "unknown")
+        + (f"; in host memory: {facts['host_memory_bytes'] / 2**20:,.1f} MiB a device (the optimizer state, "
+           "optimizer.offload=host)" if facts.get("host_memory_bytes") else ""),
         *([f"attention: {facts['attention']}"] if facts.get("attention") else []),
         *([facts["tiling"]] if facts.get("tiling") else []),
         *([facts["quantization"]] if facts.get("quantization") else []),
@@ -72,7 +74,14 @@ def run_facts(params: Any, flops_per_token: Optional[float], mesh: Any, executab
         shards = [s.data for x in jax.tree.leaves(state) for s in getattr(x, "addressable_shards", [])[:1]]
         facts["memory_per_device_bytes"] = sum(int(np.prod(d.shape)) * d.dtype.itemsize for d in shards)
         facts["memory_source"] = "train state only"
+    facts["host_memory_bytes"] = sum(int(np.prod(x.addressable_shards[0].data.shape)) * x.dtype.itemsize
+                                     for x in jax.tree.leaves(state) if _in_host_memory(x))
     return facts
+
+
+def _in_host_memory(x: Any) -> bool:
+    """Whether an array lives in the host's pinned memory (optimizer.offload=host)."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host" and bool(x.addressable_shards)
 
 
 def summary(spec: Any, step: int, restored_step: Optional[int], seconds: float, last_metrics: Mapping[str, float],

@@ -88,6 +88,7 @@ class CompileReport:
     model_notes: str = ""  # what else the family says about how the model runs (its `describe`, e.g. the experts')
     param_dtype: str = "float32"
     optimizer_state_dtype: str = "float32"
+    optimizer_offload: str = "none"  # optimizer.offload: host keeps the state in host memory between steps
     quantization: str = ""  # what runs quantized (job.model.quantization), once the step is traced
     quantized_matmuls: dict[str, int] | None = None  # int8 / fp8 matmul instructions in the compiled step
     format_peak_per_device: float | None = None  # the chip's peak in job.model.quantization's format
@@ -111,7 +112,8 @@ class CompileReport:
             f" mesh {mesh}, in {self.compile_seconds:.1f}s",
             f"  batch {self.batch_size} x {self.seq_len} tokens ({micro}), {self.parameters:,} parameters",
             f"  attention {self.attention}, parameters in {self.param_dtype}, optimizer state in"
-            f" {self.optimizer_state_dtype}",
+            f" {self.optimizer_state_dtype}" + (", kept in host memory between steps (optimizer.offload=host)"
+                                                if self.optimizer_offload == "host" else ""),
             *([f"  {self.model_notes}"] if self.model_notes else []),
             *([f"  {self.quantization}"] if self.quantization else []),
             *([f"  compiled step: {counts['int8']} int8 matmuls, {counts['fp8']} fp8 matmuls, of {counts['all']}"]
@@ -362,6 +364,8 @@ def _advice(spec: Any, mesh: dict[str, int]) -> str:
         ways.append(f"shard the state over the data axis's devices with mesh.fsdp (mesh.data={mesh['data']} now)")
     if spec.job.model.remat not in ("full", "offload"):
         ways.append(f"use job.model.remat=full ({spec.job.model.remat} now)")
+    if spec.optimizer.offload == "none":
+        ways.append("keep the optimizer state in host memory between steps with optimizer.offload=host")
     ways.append("pick a larger slice")
     return ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1]
 
@@ -602,7 +606,7 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any],
         peak_flops_per_device=None if topology.chip is None else topology.chip.peak_bf16_flops_per_device,
         attention=attention_summary(job), param_dtype=spec.job.model.param_dtype,
         model_notes=_model_notes(job), advice=_advice(spec, dict(job.mesh.shape)),
-        optimizer_state_dtype=spec.optimizer.state_dtype,
+        optimizer_state_dtype=spec.optimizer.state_dtype, optimizer_offload=spec.optimizer.offload,
     )
     start = time.perf_counter()
     progress(f"mode=compile: tracing the train step ({spec.train.batch_size} x {spec.train.seq_len} tokens, "

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from runner.models.common import MODEL_STATE
-from runner.optim import build_optimizer, build_schedule, optimizer_settings, schedule_extra
+from runner.optim import build_optimizer, build_schedule, offload, optimizer_settings, schedule_extra
 from runner.optim.optimizers import param_axis_names
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
@@ -53,6 +53,7 @@ class Program:
 
     def __init__(self, job: Chooser) -> None:
         self.job, self.spec, self.mesh = job, job.spec, job.mesh
+        offload.check_devices(self.spec.optimizer.offload, self.mesh.devices.flat)
         self.lr_schedule = self._schedule()
         self.tx = self._optimizer()
 
@@ -97,7 +98,7 @@ class Program:
         return st.abstract_state(functools.partial(st.state_around, self.job.model, self.tx),
                                  (jax.random.PRNGKey(self.spec.seed), variables["params"],
                                   variables.get(MODEL_STATE, {})), self.param_specs, self.mesh,
-                                 self.job.logical_axis_rules)
+                                 self.job.logical_axis_rules, offload=self.spec.optimizer.offload == "host")
 
     @functools.cached_property
     def state_sharding(self) -> Any:

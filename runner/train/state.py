@@ -16,6 +16,7 @@ import optax
 from flax.training import train_state
 
 from runner.models.common import MODEL_STATE
+from runner.optim.offload import on_host
 from runner.optim.sharding import opt_state_sharding
 from runner.train.guards import initial_guard_state
 
@@ -61,14 +62,17 @@ def abstract_variables(model: Any, key: jax.Array, init_args: Sequence[Any]) -> 
 
 
 def abstract_state(create: Callable[..., TrainState], args: Sequence[Any], param_specs: Any,
-                   mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]]) -> tuple[TrainState, Any]:
+                   mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]],
+                   offload: bool = False) -> tuple[TrainState, Any]:
     """(abstract state, its shardings), computed without touching a device. `create(*args)` makes
-    the state; `param_specs` are the parameters' logical partition specs."""
+    the state; `param_specs` are the parameters' logical partition specs; with `offload`, the
+    optimizer state's shardings are in the host's memory (optimizer.offload=host)."""
     abstract = jax.eval_shape(create, *args)
     params = nn.logical_to_mesh_sharding(param_specs, mesh, rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_state = opt_state_sharding(abstract.opt_state, abstract.params, params, mesh)
     sharding = jax.tree.map(lambda _: replicated, abstract).replace(
-        params=params, opt_state=opt_state_sharding(abstract.opt_state, abstract.params, params, mesh))
+        params=params, opt_state=on_host(opt_state) if offload else opt_state)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding)
     return abstract, sharding
 

@@ -15,6 +15,7 @@ import optax
 from runner.data.documents import model_inputs
 from runner.models.common import LOSSES, MODEL_STATE, REPORTS, Decoder
 from runner.observability import debug
+from runner.optim import offload
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
 from runner.train.guards import guard_update
@@ -160,15 +161,18 @@ def make_train_step(step_fn: Callable[..., tuple[Any, jax.Array, Any]], spec: Ex
     fold_in(rng, step), the guard keeps or drops the update, and the metrics stay on the device
     (the loop reads them one step late). The state is donated."""
     accumulate, guard, norms = spec.train.accumulate_steps, spec.guard, spec.debug.norms_every > 0
+    kept = state_sharding.opt_state  # in host memory with optimizer.offload=host: fetched, updated, stored
 
     def step(state: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
+        state = state.replace(opt_state=offload.fetch(state.opt_state, kept))
         key = jax.random.fold_in(state.rng, state.step)
         new_state, loss, meta = step_fn(state, batch, key, accumulate, layer_norms=norms)
         new_state, flags = guard_update(guard, state, new_state, loss, meta["grad_norm"])
         if norms:
             meta.update(debug.param_and_update_norms(state.params, new_state.params))
         lr = jnp.asarray(schedule(state.step), jnp.float32)
-        return new_state, {"loss": loss, "lr": lr, **meta, **flags}
+        return new_state.replace(opt_state=offload.store(new_state.opt_state, kept)), {"loss": loss, "lr": lr,
+                                                                                        **meta, **flags}
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, microbatch_sharding(mesh)),

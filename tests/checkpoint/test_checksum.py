@@ -28,6 +28,15 @@ def flip(x: jax.Array, index: int, bit: int) -> jax.Array:
     return jnp.asarray(raw)
 
 
+def test_arrays_in_host_memory_have_their_device_checksums() -> None:
+    """optimizer.offload=host keeps arrays in the host's pinned memory: summed there the same."""
+    t = tree()
+    on_host = {k: jax.device_put(v, v.sharding.with_memory_kind("pinned_host")) for k, v in t.items()}
+    assert {x.sharding.memory_kind for x in on_host.values()} == {"pinned_host"}
+    assert checksum.checksums(on_host) == checksum.checksums(t)
+    assert checksum.checksums({**t, "w": on_host["w"]}) == checksum.checksums(t)  # mixed, in order
+
+
 @pytest.mark.parametrize("name", ["step", "w", "b", "key"])
 def test_every_single_bit_flip_changes_the_checksum(name) -> None:
     t = tree()

@@ -45,6 +45,9 @@ def damaged(value, spec):
     return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
 
 tree = {k: damaged(v, s) for k, (v, s) in true.items()}
+# optimizer.offload=host: an array in host memory is rebuilt there
+tree["w_host"] = jax.device_put(tree["w"], tree["w"].sharding.with_memory_kind("pinned_host"))
+true["w_host"] = true["w"]
 out = {"unreplicated": replicas.unreplicated(tree, holders),
        "all_devices": replicas.unreplicated(tree, {d.id for d in mesh.devices.flat})}
 del tree["full"]
@@ -72,5 +75,5 @@ def test_replicas_rebuild_every_shard_bit_exact_and_name_what_they_cannot() -> N
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["unreplicated"] == ["['full']"]  # split over data too: the other replica's half is lost
     assert out["all_devices"] == []
-    assert out["exact"] == {"w": True, "b": True, "step": True, "mask": True, "key": True}
+    assert out["exact"] == {"w": True, "b": True, "step": True, "mask": True, "key": True, "w_host": True}
     assert out["zeros"]

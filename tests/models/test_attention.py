@@ -189,6 +189,28 @@ MODELS = {
                                                              n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
                                                              attention=impl, compute_dtype=dtype)),
 }
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_init_traces_no_kernel_and_gives_the_kernels_parameters(family: str, monkeypatch) -> None:
+    """model.init traces a forward pass it throws away: it attends by XLA, so a kernel's tables are
+    never built for it (minutes for a million-token row), and the parameters are the same."""
+    from runner.models import splash
+
+    tokens = jnp.zeros((1, 128), jnp.int32)
+    want = jax.eval_shape(MODELS[family]("xla").init, jax.random.PRNGKey(0), tokens)
+    built: list[int] = []
+    real = splash.causal_kernel
+    monkeypatch.setattr(splash, "causal_kernel", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = MODELS[family]("splash_interpret")
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    assert built == [] and jax.tree.map(lambda a: (a.shape, a.dtype), params) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), want)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params,
+                                     MODELS[family]("xla").init(jax.random.PRNGKey(0), tokens)))
+    model.apply(params, tokens)
+    assert built  # the forward pass itself runs the kernel
+
+
 # (implementation, compute dtype, relative tolerance of a row's summed loss): float32 sums agree to
 # about 1e-7 (this CPU and an H200); cuDNN in bfloat16 against XLA's per-document bfloat16 losses to
 # 5.4e-6 on an H200 (0.0019 of 344), while dropping the segments moves the sum by 0.10 to 0.56.

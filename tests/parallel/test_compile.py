@@ -212,9 +212,10 @@ def test_the_advice_leaves_out_what_is_already_in_force() -> None:
     spec = ExecutionSpec()
     loose = _advice(spec, {"data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})
     assert "accumulate_steps" in loose and "mesh.fsdp" in loose and "remat=full (auto now)" in loose
-    assert loose.endswith(", or pick a larger slice")
+    assert "optimizer.offload=host" in loose and loose.endswith(", or pick a larger slice")
     tight = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(remat="full")),
-                                train=TrainSpec(batch_size=8, accumulate_steps=1))
+                                train=TrainSpec(batch_size=8, accumulate_steps=1),
+                                optimizer=dataclasses.replace(spec.optimizer, offload="host"))
     assert _advice(tight, {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}) == \
         "split each row over more devices with mesh.context (context parallelism; mesh.context=1 now), " \
         "or pick a larger slice"

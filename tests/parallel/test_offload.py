@@ -1,5 +1,6 @@
 """Host offload (job.model.remat=offload): each block's input kept in the host's pinned memory
-between the forward and the backward pass. Proven on the program: an ahead-of-time compile for a
+between the forward and the backward pass (and optimizer.offload=host's TPU program: the state
+itself is tested in tests/optim/test_offload.py). Proven on the program: an ahead-of-time compile for a
 TPU holds host memory and copies to and from it; the gradients are the full remat's; the CPU,
 whose runtime has no host memory apart, refuses it. (On a GPU: tools/offload_check.py, figures in
 docs/performance.md.)"""
@@ -45,15 +46,24 @@ def test_offload_on_a_cpu_is_refused_naming_the_platform(capsys, tmp_path, monke
 
 @pytest.mark.e2e
 @needs_libtpu
-def test_a_tpu_compile_of_the_offloaded_step_copies_to_host_memory_and_back(tmp_path: Path) -> None:
-    """mode=compile for a v5p-8 with remat=offload: the compiled step holds host memory (reported
-    apart from the device's) and copies each layer's input there and back; the same step with
-    remat=full in tests/parallel/test_compile.py holds none and copies nothing."""
+@pytest.mark.parametrize("setting", ["job.model.remat=offload", "optimizer.offload=host"])
+def test_a_tpu_compile_of_the_offloaded_step_copies_to_host_memory_and_back(tmp_path: Path, setting: str) -> None:
+    """mode=compile for a v5p-8 with remat=offload (each layer's input) or optimizer.offload=host (the
+    optimizer state between steps): the compiled step holds host memory (reported apart from the
+    device's) and copies there and back; the same step with neither in tests/parallel/test_compile.py
+    holds none and copies nothing. The optimizer's host memory is its whole state (AdamW: two float32
+    moments a parameter, replicated over mesh.data=4), one copy each way per leaf, and the device's
+    arguments hold no more of it."""
     proc = run_runner(["topology=v5p-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
-                       "train.batch_size=8", "eval.batch_size=8", "job.model.remat=offload",
-                       "logging.wandb=disabled"], tmp_path)
+                       "train.batch_size=8", "eval.batch_size=8", setting, "logging.wandb=disabled"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _summary(proc.stdout)
     assert report["memory"]["host"] > 0
     assert report["host_transfers"]["to_host"] > 0 and report["host_transfers"]["from_host"] > 0
     assert "host memory (apart)" in proc.stdout and "copies to host and" in proc.stdout
+    if setting.startswith("optimizer"):
+        state = 2 * 4 * report["parameters"]
+        assert state <= report["memory"]["host"] < state + 2**16  # the moments, the counters
+        assert report["memory"]["argument"] < 4 * report["parameters"] + 2**16  # the parameters and the batch
+        assert report["host_transfers"]["to_host"] == report["host_transfers"]["from_host"]
+        assert "optimizer state in float32, kept in host memory between steps" in proc.stdout
