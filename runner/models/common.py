@@ -23,6 +23,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from runner.models import tiling
+from runner.models.context_order import from_context_order, to_context_order
 
 COMPUTE_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -340,7 +341,10 @@ class Decoder(nn.Module):
                segment_ids: jax.Array | None,
                positions: jax.Array | None) -> tuple[jax.Array, nn.Embed, KVCache | None]:
         """(the final, normed hidden states (B, T, d_model), the token embedding (the output head
-        when tied), the updated caches or None). Runs inside `__call__`'s compact scope."""
+        when tied), the updated caches or None). Runs inside `__call__`'s compact scope. Without
+        caches, rows split over a context axis come back in its order (runner.models.context
+        .to_context_order of the tokens, positions and segments: integers, where putting the hidden
+        states back in order would gather whole rows of them on every device)."""
         raise NotImplementedError
 
     @nn.compact
@@ -354,6 +358,9 @@ class Decoder(nn.Module):
         check_length(self.cfg, tokens.shape[1])
         caches = None if cache is None else (cache["key"], cache["value"])
         x, embed, new_cache = self.hidden(tokens, deterministic, caches, index, segment_ids, positions)
-        if targets is not None and cache is None:
-            return output_losses(self.cfg, x, embed, targets)
-        return output_logits(self.cfg, x, embed, new_cache, decoding=cache is not None)
+        if cache is not None:
+            return output_logits(self.cfg, x, embed, new_cache, decoding=True)
+        if targets is not None:  # the loss in context order, each token's put back: (B, T), not (B, T, d_model)
+            losses, correct = output_losses(self.cfg, x, embed, *to_context_order(targets))
+            return from_context_order(losses), from_context_order(correct)
+        return output_logits(self.cfg, from_context_order(x), embed, new_cache, decoding=False)

@@ -24,7 +24,7 @@ from runner.models.attention import attend
 from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLICIES, Decoder, Dtypes, KVCache,
     activation, attend_cached, dense, embedding, layer_input, merge_heads, ones_init, project_heads, residual_std,
     stack_blocks, state_over_context, zeros_init)
-from runner.models.context import from_context_order, to_context_order
+from runner.models.context_order import to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.quantization import quantized
 
@@ -166,8 +166,11 @@ class GPT(Decoder):
         seq_len = tokens.shape[1]
         wte = embedding(cfg, cfg.vocab_size, ("vocab", "embed"), "wte")
         wpe = embedding(cfg, cfg.context_length, (None, "embed"), "wpe")
-        if caches is None:
-            x = wte(tokens) + (wpe(jnp.arange(seq_len))[None] if positions is None else wpe(positions))
+        if caches is None:  # rows split over a context axis: in its order from the tokens to the head
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(seq_len)[None], tokens.shape)
+            tokens, positions, segment_ids = to_context_order(tokens, positions, segment_ids)
+            x = wte(tokens) + wpe(positions)
         else:
             index = jnp.asarray(index, jnp.int32)
             x = wte(tokens) + wpe(index[:, None] + jnp.arange(seq_len))
@@ -176,11 +179,8 @@ class GPT(Decoder):
 
         # One compiled block when scanned: each layer's slice of the cache is scanned in, the
         # updated slices stacked back.
-        if caches is None:  # rows split over a context axis: in its order through the layers
-            x, segment_ids = to_context_order(x, segment_ids)
         x, new_cache = stack_blocks(Block, (cfg, deterministic), cfg, x, (segment_ids,), caches, index,
                                     rngs=("params", "dropout"))
-        x = from_context_order(x) if caches is None else x
         return _layer_norm(cfg, "ln_f")(x), wte, new_cache
 
 

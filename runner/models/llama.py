@@ -29,7 +29,7 @@ from runner.models import llama_hf, tiling
 from runner.models.attention import attend
 from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
     embedding, layer_input, merge_heads, ones_init, project_heads, residual_std, stack_blocks, state_over_context)
-from runner.models.context import from_context_order, to_context_order
+from runner.models.context_order import to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
 from runner.models.quantization import quantized
@@ -268,11 +268,10 @@ class Llama(Decoder):
         if positions is None or caches is not None:
             start = jnp.zeros((batch,), jnp.int32) if caches is None else jnp.asarray(index, jnp.int32)
             positions = start[:, None] + jnp.arange(seq_len)[None]
+        if caches is None:  # rows split over a context axis: in its order from the tokens to the head
+            tokens, positions, segment_ids = to_context_order(tokens, positions, segment_ids)
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
-        if caches is None:  # rows split over a context axis: in its order through the layers
-            x, positions, segment_ids = to_context_order(x, positions, segment_ids)
         x, new_cache = self.layers(x, (positions, segment_ids), caches, index)
-        x = from_context_order(x) if caches is None else x
         return RMSNorm(cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype, name="norm")(x), embed, new_cache
 
 
