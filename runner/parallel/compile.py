@@ -372,8 +372,9 @@ def _advice(spec: Any, mesh: dict[str, int]) -> str:
 
 def kernel_tables_overflow(message: str) -> bool:
     """Whether XLA's out-of-memory is a Pallas kernel's prefetched tables overflowing the chip's
-    scalar memory (splash's block tables grow with the square of the row in blocks), not HBM."""
-    return "space=smem" in message
+    scalar memory (splash's block tables grow with the square of the row in blocks), not HBM. XLA
+    says it two ways: an allocation in `space=smem`, or "Ran out of memory in memory space smem"."""
+    return "space=smem" in message or "memory space smem" in message
 
 
 def _tables_advice(spec: Any, mesh: dict[str, int]) -> str:
@@ -386,6 +387,9 @@ def _tables_advice(spec: Any, mesh: dict[str, int]) -> str:
     if whole and mesh.get("context", 1) > 1:
         return (f"{reason}; use job.model.context_parallel=allgather or ring (each device's tables cover its share "
                 "of the row), or a shorter train.seq_len")
+    if kind == "allgather":
+        return (f"{reason}; use job.model.context_parallel=ring (its tables cover one block of the row), split each "
+                "row over more devices with mesh.context, or use job.model.attention=xla")
     return f"{reason}; split each row over more devices with mesh.context, or use job.model.attention=xla"
 
 

@@ -235,6 +235,9 @@ def test_kernel_tables_past_the_scalar_memory_are_told_apart_from_hbm_with_their
              "[shape = 'u8[8388608]{0}', space=smem, size = 0x800000, scoped, tag = 'prefetched SMEM operand 0'] "
              ":: splash_mqa_fwd_residuals.3")
     assert kernel_tables_overflow(error) and not kernel_tables_overflow("RESOURCE_EXHAUSTED: Used 129G of 95G hbm")
+    # allgather's tables for 2,097,152-token rows over 32 shards, as XLA:TPU words it then
+    assert kernel_tables_overflow("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+                                  "space smem. Used 1.50M of 1.00M smem. Exceeded smem capacity by 513.1K.")
     spec = ExecutionSpec(topology="v5p-256")
     spec = dataclasses.replace(spec, train=TrainSpec(seq_len=1048576, batch_size=4), job=dataclasses.replace(
         spec.job, model=ModelSpec(context_parallel="ulysses")))
@@ -250,6 +253,9 @@ def test_kernel_tables_past_the_scalar_memory_are_told_apart_from_hbm_with_their
     assert "ran out of device memory" not in text and "fits: NO" in text and "allgather or ring" in text
     split = dataclasses.replace(spec, job=dataclasses.replace(spec.job, model=ModelSpec(context_parallel="ring")))
     assert "split each row over more devices with mesh.context" in _tables_advice(split, {"context": 32})
+    gathered = dataclasses.replace(spec, job=dataclasses.replace(spec.job,
+                                                                 model=ModelSpec(context_parallel="allgather")))
+    assert "context_parallel=ring (its tables cover one block" in _tables_advice(gathered, {"context": 32})
 
 
 SYNTHETIC_HLO = """HloModule step
