@@ -553,7 +553,8 @@ for kind in ("allgather", "ring", "ulysses"):
     abstract, job.program.state_sharding = job.program.abstract_state()
     with job.program.context():
         text = job.program.train_step.lower(abstract, job.program.abstract_batch()).compile().as_text()
-    moved = re.findall(r"= ([a-z0-9]+\[[0-9,]*\])[^=\n]*? (?:all-gather|all-to-all|collective-permute)(?:-start)?\(", text)
+    kinds = "(?:all-gather|all-to-all|collective-permute)(?:-start)?"
+    moved = re.findall(r"= ([a-z0-9]+\[[0-9,]*\])[^=\n]*? " + kinds + r"\(", text)
     found[kind] = sorted({shape for shape in moved if re.search(r"\b1024,192\]", shape)})
 print(json.dumps(found))
 """
