@@ -78,6 +78,8 @@ def _memory(record: dict) -> str:
         return f"{memory['total'] / GiB:.2f} GiB{host}"
     if record.get("compiler_error") and "smem" in record["compiler_error"]:
         return "splash's tables exceed scalar memory"
+    if record["exit"] < 0:  # killed by a signal: XLA aborted (or the machine ran out of memory)
+        return f"the compile aborted (signal {-record['exit']}) after {record['seconds']:.0f} s on this machine"
     if record.get("required_bytes"):
         return f"{record['required_bytes'] / GiB:.2f} GiB asked"
     return record.get("error") or "no report"
