@@ -66,7 +66,8 @@ tab "runner job=gpt_tiny optimizer.l"
     assert replies["runner optim"].split() == ["optimizer.", "optimizer="]
     assert replies["runner optimizer="].split() == [f"optimizer={o}" for o in ("adafactor", "adamw", "lion", "muon",
                                                                                  "sgd")]
-    assert replies["runner job=llama"].split() == ["job=llama3_1b", "job=llama3_8b", "job=llama_150m", "job=llama_tiny"]
+    assert replies["runner job=llama"].split() == ["job=llama3_1b", "job=llama3_70b", "job=llama3_8b",
+                                                   "job=llama_150m", "job=llama_tiny"]
     assert replies["runner train.st"].split() == ["train.steps=", "train.stop_file="]
     assert "optimizer.lr=" in replies["runner job=gpt_tiny optimizer.l"].split()
 

@@ -27,9 +27,10 @@ from tests.conftest import TINY, read_metrics, run_runner
 register_schema()
 load_job_modules()
 
-# What the model cards say (Llama 3.2 1B: 1.24B; Llama 3 8B: 8.03B; Qwen3-0.6B: 0.6B, 0.44B
-# without embeddings), to the parameter.
-PUBLISHED = {"llama3_1b": 1_235_814_400, "llama3_8b": 8_030_261_248, "qwen3_0_6b": 596_049_920}
+# What the model cards say (Llama 3.2 1B: 1.24B; Llama 3 8B: 8.03B; Llama 3 70B: 70.6B; Qwen3-0.6B:
+# 0.6B, 0.44B without embeddings), to the parameter.
+PUBLISHED = {"llama3_1b": 1_235_814_400, "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496,
+             "qwen3_0_6b": 596_049_920}
 JOBS = ["gpt_tiny", "gpt_10m", "gpt_small", "gpt_medium", "llama_tiny", "llama_150m", *PUBLISHED]
 
 
