@@ -236,11 +236,14 @@ class JobSpec(_Frozen):
 
 @dataclass(frozen=True)
 class MeshSpec(_Frozen):
-    """mesh: the devices split over five named axes (runner.parallel.mesh); the sizes multiply to
+    """mesh: the devices split over six named axes (runner.parallel.mesh); the sizes multiply to
     the device count."""
 
-    # Each axis is a device count, -1 for the devices the others leave (at most one -1).
-    data: int = -1  # plain data parallelism: the batch split, parameters replicated (split across slices)
+    # the layers split into this many pipeline stages (the pipeline section; above 1 it is the axis
+    # split across slices)
+    stage: int = 1
+    # Each axis below is a device count, -1 for the devices the others leave (at most one -1).
+    data: int = -1  # plain data parallelism: batch split, parameters replicated (across slices if mesh.stage=1)
     fsdp: int = 1  # splits the batch and shards parameters and optimizer state (FSDP / ZeRO-3)
     expert: int = 1  # shards a mixture of experts' experts (job.model.moe); elsewhere it splits the batch
     context: int = 1  # splits every row's sequence (long context: job.model.context_parallel)
@@ -251,6 +254,41 @@ class MeshSpec(_Frozen):
             (axis, lambda v: v != 0 and v >= -1, "mesh sizes are positive, or -1 for 'the rest'.",
              f"set mesh.{axis} to a positive size or -1.") for axis in ("data", "fsdp", "expert", "context",
                                                                        "tensor")))
+        _check_rules("mesh", self, (("stage", lambda v: v >= 1, "it is the number of pipeline stages the layers "
+                                     "split into, a positive count (no -1: another axis takes the rest).",
+                                     "set mesh.stage to 1 (no pipeline) or to the number of stages."),))
+
+
+PIPELINE_SCHEDULES = ("gpipe", "circular")
+
+
+@dataclass(frozen=True)
+class PipelineSpec(_Frozen):
+    """pipeline: how the layers' stages (mesh.stage) take turns on the micro-batches
+    (runner.models.pipeline, docs/pipeline.md). Set only with mesh.stage above 1 (refused otherwise)."""
+
+    # gpipe: each stage runs its consecutive layers once per microbatch | circular: the layers go
+    # round the stages `repeats` times, each stage holding every stage-th group of layers (a smaller bubble)
+    schedule: str = "gpipe"
+    microbatches: int = 0  # each micro-batch's rows in this many pipeline microbatches; 0: mesh.stage
+    repeats: int = 1  # circular: how many times the layers go round the stages (gpipe: 1)
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("pipeline", self, (("schedule", PIPELINE_SCHEDULES), ("microbatches", ">= 0"),
+                                        ("repeats", "> 0")))
+        if spec.mesh.stage == 1 and self != PipelineSpec():
+            changed = next(k for k in ("schedule", "microbatches", "repeats")
+                           if getattr(self, k) != getattr(PipelineSpec(), k))
+            raise ConfigError(f"pipeline.{changed}", getattr(self, changed), "the pipeline section schedules the "
+                              "layers' stages, and mesh.stage=1: there is one stage, nothing to schedule.",
+                              f"set mesh.stage to the number of stages, or drop pipeline.{changed}.")
+        if self.schedule == "gpipe" and self.repeats != 1:
+            raise ConfigError("pipeline.repeats", self.repeats, "the gpipe schedule runs each stage's layers once "
+                              "per microbatch.", "drop pipeline.repeats, or use pipeline.schedule=circular.")
+        if self.schedule == "circular" and self.repeats < 2:
+            raise ConfigError("pipeline.repeats", self.repeats, "the circular schedule takes the layers round the "
+                              "stages at least twice (with 1 it is gpipe).",
+                              "use pipeline.repeats=2 or more, or pipeline.schedule=gpipe.")
 
 
 @dataclass(frozen=True)
@@ -593,6 +631,7 @@ class ExecutionSpec(_Frozen):
     mode: str = "train"  # what the command does: train | eval | compile (MODES)
     seed: int = 0  # seeds the parameters' initialisation, dropout and the order of the data
     mesh: MeshSpec = field(default_factory=MeshSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     data: DataSpec = field(default_factory=DataSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
@@ -702,7 +741,7 @@ def _check_rules(prefix: str, section: Any, rules: tuple[tuple[Any, ...], ...]) 
 
 
 # The sections with rules, in the order they are checked: the first bad value found is the one reported.
-CHECKED_SECTIONS = ("job", "train", "guard", "debug", "mesh", "data", "optimizer", "schedule", "eval",
+CHECKED_SECTIONS = ("job", "train", "guard", "debug", "mesh", "pipeline", "data", "optimizer", "schedule", "eval",
                     "checkpoint", "run", "logging", "distributed")
 
 

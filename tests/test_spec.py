@@ -96,7 +96,8 @@ def test_validation_errors_name_the_key(overrides: list[str], key: str, needle: 
 
 # One bad value per section with rules: validate must reach every section's own check.
 BAD_VALUE = {"job": ("job.model.n_layers", 0), "train": ("train.steps", 0), "guard": ("guard.nonfinite", "maybe"),
-             "debug": ("debug.norms_every", -1), "mesh": ("mesh.fsdp", 0), "data": ("data.num_threads", 0),
+             "debug": ("debug.norms_every", -1), "mesh": ("mesh.fsdp", 0), "pipeline": ("pipeline.schedule", "1f1b"),
+             "data": ("data.num_threads", 0),
              "optimizer": ("optimizer.lr", 0.0), "schedule": ("schedule.final_lr_fraction", 2.0),
              "eval": ("eval.rows", 0), "checkpoint": ("checkpoint.keep", 0), "run": ("run.init_mode", "half"),
              "logging": ("logging.progress", "loud"), "distributed": ("distributed.stop_check_every", 0)}

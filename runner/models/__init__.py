@@ -13,11 +13,11 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, context, hf, quantization, tiling
+from runner.models import attention, context, hf, pipeline, quantization, tiling
 from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
 from runner.models.common import OFFLOAD_PLATFORMS
 from runner.models.family import MODEL_FAMILIES, ModelFamily
-from runner.parallel.mesh import ulysses_heads, usp_group_sizes, usp_ways
+from runner.parallel.mesh import mesh_shape, ulysses_heads, usp_group_sizes, usp_ways
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
 
@@ -56,7 +56,7 @@ def model_config(spec: ExecutionSpec) -> Any:
     config = dataclasses.replace(config, attention=impl)
     if kind == "usp" and spec.mesh.context > 1 and hasattr(config, "ulysses_ways"):
         config = dataclasses.replace(config, ulysses_ways=usp_ways(spec, spec.mesh.context))
-    config = tiling.resolve(spec, config)
+    config = pipeline.resolve(spec, tiling.resolve(spec, config))
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
     return for_platform(config, target) if for_platform else config
 
@@ -96,6 +96,11 @@ def check_spec(spec: ExecutionSpec) -> None:
         family.hf_architecture(config)
     check_quantization(spec, config)
     tiling.check(spec, config)
+    if spec.mesh.stage > 1:
+        pipeline.check(spec, config, context_choice(spec, named if named != "auto" else "")[0])
+    if spec.mesh.stage > 1 and parse_topology(spec.topology).num_devices:
+        shape = mesh_shape(spec, parse_topology(spec.topology).num_devices)
+        pipeline.check_microbatches(spec, shape["data"] * shape["fsdp"] * shape["expert"])
 
 
 def check_offload(spec: ExecutionSpec, target: str) -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from runner.models import tiling
+from runner.models import pipeline, tiling
 from runner.models.context_order import from_context_order, to_context_order
 
 COMPUTE_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -80,7 +80,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("kv", None),
     ("length", "context"),
-    ("layers", None),
+    ("layers", "stage"),  # the stacked layers: consecutive ones on each pipeline stage (runner.models.pipeline)
+    (pipeline.STAGES, "stage"),
 )
 
 
@@ -263,22 +264,59 @@ def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array
         # prevent_cse would only cost performance.
         block = nn.remat(block, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[remat_of(cfg)])
     if cfg.scan_layers:
-        return nn.scan(
+        scanned = nn.scan(
             block,
             variable_axes={"params": 0, LOSSES: 0, REPORTS: 0, MODEL_STATE: 0},
             split_rngs={r: True for r in rngs},
             in_axes=(*[nn.broadcast] * len(shared), 0, nn.broadcast),
             length=len(layers),
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(*block_args, name=name)(x, *shared, caches, index)
+        )(*block_args, name=name)
+        schedule = _pipelined(cfg, x, caches, scanned)
+        if schedule is None:
+            return scanned(x, *shared, caches, index)
+        return pipelined_blocks(block, block_args, scanned.variables, x, shared, index, schedule,
+                                remat_of(cfg)), None
+    blocks = [block(*block_args, name=f"block_{i}") for i in layers]
+    schedule = _pipelined(cfg, x, caches, blocks[0])
+    if schedule is not None:  # the layers' parameters stacked as the scan holds them
+        stacked = jax.tree.map(lambda *w: jnp.stack(w), *(b.variables for b in blocks))
+        return pipelined_blocks(block, block_args, stacked, x, shared, index, schedule,
+                                remat_of(cfg)), None
     updated = []
-    for n, i in enumerate(layers):
+    for n, module in enumerate(blocks):
         layer = None if caches is None else (caches[0][n], caches[1][n])
-        x, layer = block(*block_args, name=f"block_{i}")(x, *shared, layer, index)
+        x, layer = module(x, *shared, layer, index)
         updated.append(layer)
     if caches is None:
         return x, None
     return x, (jnp.stack([u[0] for u in updated]), jnp.stack([u[1] for u in updated]))
+
+
+def _pipelined(cfg: Any, x: jax.Array, caches: KVCache | None, module: nn.Module) -> pipeline.Schedule | None:
+    """The pipeline the layers run in for this call, or None: as one stage (no stages; initialising
+    or decoding; or an odd batch, such as an evaluator's, that the microbatches do not divide)."""
+    schedule = pipeline.from_config(cfg)
+    if schedule is None or caches is not None or module.is_initializing() or x.shape[0] % schedule.microbatches:
+        return None
+    return schedule
+
+
+def pipelined_blocks(block: Any, block_args: tuple[Any, ...], variables: Any, x: jax.Array, shared: tuple[Any, ...],
+                     index: jax.Array | None, schedule: pipeline.Schedule, remat: str) -> jax.Array:
+    """The scanned blocks' stacked `variables` applied to `x` in the pipeline `schedule`, each layer
+    by the same block module (and remat) the scan runs, each iteration rematerialised by the same
+    policy (`remat`, resolved: REMAT_POLICIES or none). Initialisation and decoding scan them as
+    one stage does: the parameters are the same."""
+    if set(variables) - {"params"}:
+        raise ValueError(f"pipelined layers carry parameters only, not {sorted(set(variables) - {'params'})} "
+                         "(runner.models.pipeline.check refuses such models)")
+
+    def layer(w: Any, h: jax.Array, sh: tuple[Any, ...]) -> jax.Array:
+        return block(*block_args, parent=None).apply({"params": w}, h, *sh, None, index)[0]
+
+    return pipeline.run(layer, variables["params"], x, shared, schedule, remat=remat != "none",
+                        policy=REMAT_POLICIES.get(remat))
 
 
 def output_head(cfg: Any, embed: nn.Embed) -> tuple[nn.Module, Callable[[nn.Module, jax.Array], jax.Array]]:

@@ -51,6 +51,9 @@ class GPTConfig(Dtypes):
     mlp_tiles: int = 1  # the dense feed-forward over tiles of the tokens (runner.models.tiling)
     use_bias: bool = True
     scan_layers: bool = True
+    pipeline_stages: int = 1  # mesh.stage: the layers in this many stages (runner.models.pipeline)
+    pipeline_microbatches: int = 1  # pipeline.microbatches, resolved (runner.models.model_config)
+    pipeline_repeats: int = 1  # pipeline.repeats
     activation: str = "gelu_new"  # transformers' name (runner.models.common.ACTIVATIONS)
     norm_eps: float = 1e-5
     quantization: str = "none"  # job.model.quantization (runner.models.quantization)

@@ -72,6 +72,9 @@ class LlamaConfig(Dtypes):
     loss_tiles: int = 1  # the output head and loss over tiles of the tokens (runner.models.tiling; 0: whole)
     mlp_tiles: int = 1  # the dense feed-forward over tiles of the tokens (runner.models.tiling)
     scan_layers: bool = True
+    pipeline_stages: int = 1  # mesh.stage: the layers in this many stages (runner.models.pipeline)
+    pipeline_microbatches: int = 1  # pipeline.microbatches, resolved (runner.models.model_config)
+    pipeline_repeats: int = 1  # pipeline.repeats
     moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
     moe_top_k: int = 2
     moe_d_ff: int = 0

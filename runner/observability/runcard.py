@@ -36,6 +36,7 @@ def summary_lines(facts: Mapping[str, Any]) -> list[str]:
            "optimizer.offload=host)" if facts.get("host_memory_bytes") else ""),
         *([f"attention: {facts['attention']}"] if facts.get("attention") else []),
         *([facts["tiling"]] if facts.get("tiling") else []),
+        *([facts["pipeline"]] if facts.get("pipeline") else []),
         *([facts["quantization"]] if facts.get("quantization") else []),
         *([facts["throughput"]] if facts.get("throughput") else []),
         *([facts["checkpoints"]] if facts.get("checkpoints") else []),

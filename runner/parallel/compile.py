@@ -95,6 +95,8 @@ class CompileReport:
     kernels: dict[str, int] | None = None  # fused-kernel calls in the compiled step, by custom-call target
     host_transfers: dict[str, int] | None = None  # copies to and from host memory in the compiled step
     collective_bytes: dict[str, int] | None = None  # per device per step, by kind (`collective_bytes`)
+    # of those, the collectives whose device groups span slices (multi-slice topologies only)
+    cross_slice_bytes: dict[str, int] | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -123,6 +125,10 @@ class CompileReport:
             *(["  collectives per step and device (loop bodies times their trips): "
                + ", ".join(f"{kind} {_size(n)}" for kind, n in sorted(self.collective_bytes.items()))]
               if self.collective_bytes else []),
+            *(["  between slices per step and device (collectives spanning slices, and the data-centre network's "
+               "sends): "
+               + (", ".join(f"{kind} {_size(n)}" for kind, n in sorted(self.cross_slice_bytes.items())) or "none")]
+              if self.cross_slice_bytes is not None else []),
         ]
 
     def text(self) -> str:
@@ -436,10 +442,12 @@ def ulysses_summary(config: Any, impl: str, shape: dict[str, int], kind: str = "
 
 def _model_notes(job: Any) -> str:
     """The family's one-line account of how the model runs on this mesh (empty if it has none), and
-    the job's of the tiles of each row's tokens (runner.models.tiling)."""
+    the job's of the tiles of each row's tokens (runner.models.tiling) and of the pipeline
+    (runner.models.pipeline)."""
     describe = getattr(getattr(job, "family", None), "describe", None)
     notes = [describe(job.model_config, dict(job.mesh.shape)) if describe else "",
-             job.tiling() if hasattr(job, "tiling") else ""]
+             job.tiling() if hasattr(job, "tiling") else "",
+             job.pipeline_schedule() if hasattr(job, "pipeline_schedule") else ""]
     return "\n  ".join(note for note in notes if note)
 
 
@@ -493,13 +501,62 @@ def _bytes_of(result: str) -> int:
     return total
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
+_GROUPS = re.compile(r"replica_groups=(\{[\d,{}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=\{([\d,{}]*)\}")
+_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+def device_groups(line: str, devices: int) -> list[list[int]]:
+    """The groups of devices (their places in the program's device assignment) a collective
+    instruction runs over: its source-target pairs, or its replica groups, listed or in XLA's iota
+    form (``[G,N]<=[dims]T(perm)``); none given is one group of every device."""
+    import numpy as np
+
+    pairs = _PAIRS.search(line)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    found = _GROUPS.search(line)
+    text = found.group(1) if found else "{}"
+    if text.startswith("{"):
+        listed = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text)]
+        return [g for g in listed if g] or [list(range(devices))]
+    shape, dims, perm = _IOTA.match(text).groups()  # type: ignore[union-attr]
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return ids.reshape(int(shape.split(",")[0]), -1).tolist()
+
+
+_NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_FIRST_OPERAND = re.compile(r"-done\(%([^,)\s]+)")
+
+
+def _crosses(line: str, slice_of: Sequence[int], started: dict[str, bool]) -> bool:
+    """Whether the collective on `line` runs over devices of more than one slice: a `-done` as its
+    start did (kept in `started`, by the start's name)."""
+    done = _FIRST_OPERAND.search(line)
+    if done:
+        return started.get(done.group(1), False)
+    crosses = any(len({slice_of[d] for d in group}) > 1 for group in device_groups(line, len(slice_of)))
+    name = _NAME.match(line)
+    if name:
+        started[name.group(1)] = crosses
+    return crosses
+
+
+def collective_bytes(hlo: str, slice_of: Sequence[int] | None = None) -> dict[str, int]:
     """Per device, the bytes of the results of the compiled step's collectives, by kind, each loop
     body times its trip count (the layer scan's 32 layers, say): what each device receives from
     the others in one step. An asynchronous collective counts at its `-done`; one wrapped in an
     async computation counts inside it. A loop's trip count is XLA's known_trip_count, else the
-    one integer its condition compares the counter with (a scan's length), else 1."""
+    one integer its condition compares the counter with (a scan's length), else 1. With
+    `slice_of` (each device's slice, in the program's device order) only what crosses slices
+    counts: the collectives whose device groups (`device_groups`) span slices, and the sends a
+    multi-slice TPU program makes through its data-centre network runtime (XLA lowers the
+    cross-slice part of a collective to those: `all-reduce by send`, `one-to-one by send`, ...)."""
     own: dict[str, dict[str, int]] = {}
+    started: dict[str, bool] = {}  # an asynchronous collective's start: whether its groups span slices
     calls: dict[str, list[tuple[str, Any]]] = {}
     bounds: dict[str, set[int]] = {}
     entry, name = "", ""
@@ -518,8 +575,13 @@ def collective_bytes(hlo: str) -> dict[str, int]:
             continue
         result, op = match.groups()
         kind = op[:-5] if op.endswith("-done") else op
-        if kind in _COLLECTIVES and not op.endswith("-start"):
+        crosses = slice_of is None or _crosses(line, slice_of, started)
+        if kind in _COLLECTIVES and not op.endswith("-start") and crosses:
             own[name][kind] = own[name].get(kind, 0) + _bytes_of(result)
+        dcn = _MEGASCALE.search(line) if slice_of is not None and op == "send" else None
+        if dcn:  # a transfer between slices by the TPU's data-centre network runtime: its data, the first array
+            kind = f"{dcn.group(1).lower().replace('_', '-')} by send"
+            own[name][kind] = own[name].get(kind, 0) + _bytes_of(result.split("}", 1)[0])
         if op in ("while", "call", "async-start", "conditional"):
             trips, condition = _TRIPS.search(line), _CONDITION.search(line)
             times: Any = int(trips.group(1)) if trips else condition.group(1) if op == "while" and condition else 1
@@ -636,11 +698,15 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any],
         report.available_bytes = _bytes_in(_AVAILABLE, message)
         return report
     report.compile_seconds = time.perf_counter() - start
-    return _read_compiled(report, compiled, limit)
+    slices = [int(getattr(d, "slice_index", 0)) for d in job.mesh.devices.flat]
+    return _read_compiled(report, compiled, limit, slices if (topology.num_slices or 1) > 1 else None)
 
 
-def _read_compiled(report: CompileReport, compiled: Any, limit: int | None) -> CompileReport:
-    """The compiled step's memory, FLOPs and kernels into `report`, and whether it fits `limit`."""
+def _read_compiled(report: CompileReport, compiled: Any, limit: int | None,
+                   slice_of: Sequence[int] | None = None) -> CompileReport:
+    """The compiled step's memory, FLOPs, kernels and collectives into `report` (with `slice_of`,
+    each device's slice in the program's device order, those that span slices apart), and whether
+    it fits `limit`."""
     stats = compiled.memory_analysis()
     if stats is not None:
         report.memory = MemoryUse(
@@ -656,6 +722,8 @@ def _read_compiled(report: CompileReport, compiled: Any, limit: int | None) -> C
     report.kernels = fused_kernels(text)
     report.host_transfers = host_transfers(text)
     report.collective_bytes = collective_bytes(text)
+    if slice_of is not None:
+        report.cross_slice_bytes = collective_bytes(text, slice_of)
     report.flops_loops_counted_once = report.flops_per_device is not None and " while(" in text
     report.fits = report.memory is None or limit is None or report.memory.total <= limit
     return report

@@ -1,6 +1,8 @@
-"""The device mesh: five named axes, sized from config, laid out for the interconnect.
+"""The device mesh: six named axes, sized from config, laid out for the interconnect.
 
-``data`` is plain data parallelism (it is the axis split across slices, since only gradient
+``stage`` splits the layers into pipeline stages (runner.models.pipeline; only activations
+travel between stages, so it is the axis split across slices when it has more than one way),
+``data`` is plain data parallelism (split across slices otherwise, since only gradient
 all-reduces should cross the slow data-centre network), ``fsdp`` shards parameters and
 optimizer state as well as the batch, ``expert`` shards a mixture of experts' expert weights
 (tokens travel to their experts and back, runner.models.moe) and splits the batch elsewhere,
@@ -29,14 +31,14 @@ from jax.sharding import PartitionSpec as P
 from runner.errors import ConfigError, UserError
 from runner.parallel.topology import parse_topology
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over all three
 
 
 def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int, expert: int = 1,
-                       context: int = 1) -> dict[str, int]:
+                       context: int = 1, stage: int = 1) -> dict[str, int]:
     """Fills in at most one ``-1`` axis and checks the sizes multiply to the device count."""
-    shape = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
+    shape = {"stage": stage, "data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
     fix_all = (
         f"give sizes whose product is {num_devices} (the device count), or set one axis to -1 to"
         f" take the remaining devices, e.g. mesh.data=-1 mesh.fsdp=1 mesh.expert=1 mesh.context=1 mesh.tensor=1."
@@ -87,12 +89,13 @@ def _slices(devices: Sequence[Any], num_slices: int) -> list[list[Any]]:
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_slices: int = 1) -> Mesh:
-    """Builds a topology-aware ``Mesh`` over ``MESH_AXES`` (``expert`` and ``context`` are 1 when
-    `shape` leaves them out); with slices, ``data`` spans them."""
-    shape = {"expert": 1, "context": 1, **shape}
+    """Builds a topology-aware ``Mesh`` over ``MESH_AXES`` (``stage``, ``expert`` and ``context``
+    are 1 when `shape` leaves them out); with slices, ``stage`` spans them when it has more than
+    one way (`slice_axis`), else ``data``."""
+    shape = {"stage": 1, "expert": 1, "context": 1, **shape}
     if set(shape) != set(MESH_AXES):
         raise ConfigError("mesh", shape, f"the mesh needs exactly the axes {MESH_AXES}.",
-                          "give mesh.data, mesh.fsdp, mesh.expert, mesh.context and mesh.tensor "
+                          "give mesh.stage, mesh.data, mesh.fsdp, mesh.expert, mesh.context and mesh.tensor "
                           "(use resolve_mesh_shape).")
     devices = list(jax.devices() if devices is None else devices)
     sizes = tuple(int(shape[a]) for a in MESH_AXES)
@@ -102,15 +105,10 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_s
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if num_slices == 1:
         return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
-    if num_slices < 1 or shape["data"] % num_slices:
-        raise ConfigError(
-            "mesh", shape,
-            f"with {num_slices} slices the data axis is split across them, so mesh.data must be a"
-            " multiple of the slice count.",
-            f"set mesh.data to a multiple of {num_slices} (fsdp, expert, context and tensor stay inside a slice).",
-        )
-    ici = (shape["data"] // num_slices, *(shape[a] for a in MESH_AXES[1:]))
-    dcn = (num_slices, *(1 for _ in MESH_AXES[1:]))
+    check_slices(shape, num_slices)
+    across = slice_axis(shape)
+    ici = tuple(shape[a] // num_slices if a == across else shape[a] for a in MESH_AXES)
+    dcn = tuple(num_slices if a == across else 1 for a in MESH_AXES)
     if all(hasattr(d, "slice_index") for d in devices):
         groups = _slices(devices, num_slices)
         if len(groups) != num_slices:
@@ -120,11 +118,30 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_s
             )
         grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
     else:
-        # No slice_index (CPU/GPU): build each group's mesh and stack them along `data`,
-        # which is what create_hybrid_device_mesh does for a (num_slices, 1, 1, 1, 1) DCN shape.
+        # No slice_index (CPU/GPU): build each group's mesh and stack them along the axis that
+        # spans slices, which is what create_hybrid_device_mesh does for such a DCN shape.
         groups = _slices(devices, num_slices)
-        grid = np.concatenate([mesh_utils.create_device_mesh(ici, g) for g in groups], axis=0)
+        grid = np.concatenate([mesh_utils.create_device_mesh(ici, g) for g in groups], axis=MESH_AXES.index(across))
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def slice_axis(shape: dict[str, int]) -> str:
+    """The axis split across slices: ``stage`` when the layers are split into stages (only
+    activations cross between them), else ``data`` (only gradient all-reduces cross)."""
+    return "stage" if int(shape.get("stage", 1)) > 1 else "data"
+
+
+def check_slices(shape: dict[str, int], num_slices: int) -> None:
+    """The axis that spans the slices (`slice_axis`) splits evenly over them."""
+    across = slice_axis(shape)
+    if num_slices < 1 or shape[across] % num_slices:
+        raise ConfigError(
+            f"mesh.{across}", shape[across],
+            f"with {num_slices} slices the {across} axis is split across them, so mesh.{across} must be a"
+            " multiple of the slice count.",
+            f"set mesh.{across} to a multiple of {num_slices} (the other axes stay inside a slice)"
+            + ("." if across == "stage" else ", or split the layers over slices with mesh.stage."),
+        )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -140,7 +157,8 @@ def microbatch_sharding(mesh: Mesh) -> NamedSharding:
 def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
     """The mesh section's sizes for `num_devices` devices (-1 filled in)."""
     m = spec.mesh
-    return resolve_mesh_shape(m.data, m.fsdp, m.tensor, num_devices, expert=m.expert, context=m.context)
+    return resolve_mesh_shape(m.data, m.fsdp, m.tensor, num_devices, expert=m.expert, context=m.context,
+                              stage=m.stage)
 
 
 def check_context(spec: Any, context: int, tensor: int = 0) -> None:
@@ -259,6 +277,7 @@ def check_spec(spec: Any) -> None:
                           f"{shape['expert']} devices, which does not divide the {experts} experts.",
                           "size the other mesh axes so the expert axis divides job.model.moe.n_experts.")
     check_context(spec, shape["context"], shape["tensor"])
+    check_slices(shape, topology.num_slices or 1)
     batch_ways = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = t.batch_size // t.accumulate_steps
     if micro % batch_ways:

@@ -37,7 +37,7 @@ from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.errors import UserError
 from runner.evaluation.base import EvalContext, Evaluator, build_evaluators, prepare_all, run_all
 from runner.exits import HookError, Preempted, TrainingHalted
-from runner.models import ModelFamily, context_choice, family_for, tiling
+from runner.models import ModelFamily, context_choice, family_for, pipeline, tiling
 from runner.models.hf import HF_PREFIX
 from runner.observability import debug, goodput, runcard
 from runner.observability.goodput import Goodput
@@ -142,6 +142,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
     def tiling(self) -> str:
         """The launch's line on the tiles of each row's tokens (runner.models.tiling); empty when none."""
         return tiling.describe(self.model_config, self.spec)
+
+    def pipeline_schedule(self) -> str:
+        """The launch's line on the layers' pipeline stages and their bubble (runner.models.pipeline);
+        empty with one stage."""
+        return pipeline.describe(self.model_config)
 
     def check_vocab(self) -> None:
         if self.strategy.vocab_size > self.model_vocab_size():
@@ -529,6 +534,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             if getattr(self, "attention", ""):
                 self._facts["attention"] = attention_summary(self)
             self._facts["tiling"] = self.tiling()
+            self._facts["pipeline"] = self.pipeline_schedule()
             self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
             if getattr(self, "quantization", ""):
                 self._facts["quantization"] = self.quantization

@@ -240,11 +240,11 @@ def test_logical_rules_map_params_to_mesh_axes() -> None:
     specs = nn.logical_to_mesh(nn.get_partition_spec(_abstract_variables(TINY)), LOGICAL_AXIS_RULES)["params"]
     assert specs["wte"]["embedding"] == P("tensor", "fsdp")
     assert specs["wpe"]["embedding"] == P(None, "fsdp")
-    assert specs["blocks"]["attn"]["query"]["kernel"] == P(None, "fsdp", "tensor", None)
-    assert specs["blocks"]["attn"]["out"]["kernel"] == P(None, "tensor", None, "fsdp")
-    assert specs["blocks"]["mlp"]["fc"]["kernel"] == P(None, "fsdp", "tensor")
-    assert specs["blocks"]["mlp"]["proj"]["kernel"] == P(None, "tensor", "fsdp")
-    assert specs["blocks"]["ln_1"]["scale"] == P(None, "fsdp")
+    assert specs["blocks"]["attn"]["query"]["kernel"] == P("stage", "fsdp", "tensor", None)
+    assert specs["blocks"]["attn"]["out"]["kernel"] == P("stage", "tensor", None, "fsdp")
+    assert specs["blocks"]["mlp"]["fc"]["kernel"] == P("stage", "fsdp", "tensor")
+    assert specs["blocks"]["mlp"]["proj"]["kernel"] == P("stage", "tensor", "fsdp")
+    assert specs["blocks"]["ln_1"]["scale"] == P("stage", "fsdp")  # stacked layers: split over the stages
 
 
 _MESH_SCRIPT = textwrap.dedent(

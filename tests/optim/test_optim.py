@@ -287,7 +287,7 @@ def test_every_optimizer_state_gets_a_sharding_that_fits_it(name: str) -> None:
     from runner.optim.sharding import opt_state_sharding
 
     params, specs = _scanned_gpt_params()
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), ("stage", "data", "fsdp", "tensor"))
     param_sharding = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
     settings = dataclasses.replace(OptimizerSettings(), param_axes=param_axis_names(params, specs))
     tx = build_optimizer(name, 1e-3, settings, 1.0)

@@ -10,15 +10,16 @@ import jax.numpy as jnp
 
 
 def logits_and_grads(model: Any, params: Any, tokens: jax.Array, segment_ids: jax.Array,
-                     positions: jax.Array) -> tuple[Any, str]:
+                     positions: jax.Array, compiled: bool = False) -> tuple[Any, str]:
     """((sum of sin(logits), logits), gradients) of `model` under the current mesh, and the
-    compiled program's text (to see which collectives it uses)."""
+    program's text (to see which collectives it uses): as lowered, or as XLA compiled it."""
     def loss(p: Any) -> tuple[jax.Array, jax.Array]:
         logits = model.apply({"params": p}, tokens, segment_ids=segment_ids, positions=positions)
         return jnp.sum(jnp.sin(logits)), logits
 
     step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    return step(params), step.lower(params).as_text()
+    lowered = step.lower(params)
+    return step(params), lowered.compile().as_text() if compiled else lowered.as_text()
 
 
 def relative_error(got: Any, want: Any) -> float:

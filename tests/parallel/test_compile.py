@@ -302,3 +302,59 @@ def test_collective_bytes_count_each_loop_body_times_its_trips_and_each_async_co
 
     assert collective_bytes(SYNTHETIC_HLO) == {"all-gather": 35 * 128, "all-to-all": 35 * 256,
                                                "collective-permute": 4096, "all-reduce": 64}
+
+
+SLICED_HLO = """HloModule step
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %within = f32[8]{0} all-reduce(%a), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %across = f32[16]{0} all-reduce(%a), replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add
+  %listed = f32[4]{0} all-gather(%a), replica_groups=[1,4]<=[4], dimensions={0}
+  %cp-start = (f32[32]{0}, f32[32]{0}) collective-permute-start(%a), source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
+  %cp-done = f32[32]{0} collective-permute-done(%cp-start)
+  %near = f32[64]{0} collective-permute(%a), source_target_pairs={{0,1},{1,0}}
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%hop, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r = f32[8]{0} copy(%a)
+}
+
+%hop (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %s1 = (f32[1,8]{1,0}, u32[], token[]) send(%x, %a), frontend_attributes={_xla_megascale_transfer_type="ONE_TO_ONE"}
+  %s2 = (bf16[4]{0}, u32[], token[]) send(%y, %a), frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %send-done.1 = token[] send-done(%s1)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+"""
+
+
+def test_collectives_whose_device_groups_span_slices_are_counted_apart() -> None:
+    """Devices 0-1 in slice 0, 2-3 in slice 1: an all-reduce within each slice and a permute between
+    neighbours inside one do not cross; an all-reduce over {0,2},{1,3} (XLA's iota form, transposed),
+    an all-gather over all four and an asynchronous permute between the slices (counted at its
+    -done, by its start's pairs) do; so do the sends a multi-slice TPU program makes through its
+    data-centre network runtime (a loop's, 5 times: each its data, not the token or the counter)."""
+    from runner.parallel.compile import collective_bytes, device_groups
+
+    assert device_groups("x = all-reduce(%a), replica_groups=[2,2]<=[2,2]T(1,0)", 4) == [[0, 2], [1, 3]]
+    assert device_groups("x = all-reduce(%a), replica_groups={}", 4) == [[0, 1, 2, 3]]
+    assert collective_bytes(SLICED_HLO) == {"all-reduce": 96, "all-gather": 16, "collective-permute": 384}
+    assert collective_bytes(SLICED_HLO, [0, 0, 1, 1]) == {"all-reduce": 64, "all-gather": 16,
+                                                          "collective-permute": 128, "one-to-one by send": 5 * 32,
+                                                          "all-reduce by send": 5 * 8}
+
+
+@pytest.mark.e2e
+@needs_libtpu
+def test_stages_across_two_slices_are_reported_with_the_bytes_between_slices(tmp_path: Path) -> None:
+    """llama_tiny's 4 layers in 2 gpipe stages on 2xv5p-8, fsdp 4 in each slice: the stage axis spans
+    the slices, so the activations' hops cross them (one-to-one sends of the data-centre network's
+    runtime), counted apart from the collectives within a slice; the report says the schedule and
+    its bubble. (What crosses for a 70B model, stages against data across slices: docs/pipeline.md.)"""
+    proc = run_runner(["topology=2xv5p-8", "mode=compile", "job=llama_tiny", "job.model.n_layers=4", "mesh.stage=2",
+                       "mesh.data=1", "mesh.fsdp=4", "data.strategy=synthetic", "logging.wandb=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _summary(proc.stdout)
+    assert report["mesh"]["stage"] == 2 and "pipeline: gpipe: 2 stages of 2 layers" in report["model_notes"]
+    across = report["cross_slice_bytes"]
+    assert across["one-to-one by send"] > 0 and "between slices per step and device" in proc.stdout

@@ -1,0 +1,226 @@
+"""Pipeline parallelism (mesh.stage, the pipeline section, runner.models.pipeline): the gpipe and
+circular schedules run every layer in the model's order on every microbatch; stage meshes beside
+data, fsdp, tensor and context give the one-device logits, gradients and losses, for both
+families, grouped-query attention, scanned and unrolled layers, with packed documents; a run
+resumes bit-exact after SIGKILL, moves between meshes with and without stages, and exports to
+Hugging Face; the stage axis spans slices; what cannot run in stages is refused at start."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import TINY, read_metrics, refused_in_process, run_runner
+from tests.parallel.equivalence import assert_close_losses, run_script
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats", [(2, 2, 1), (4, 3, 1), (2, 4, 2), (3, 3, 2), (2, 2, 3)])
+def test_the_schedules_run_every_layer_in_order_on_every_microbatch(stages: int, microbatches: int,
+                                                                    repeats: int) -> None:
+    """A layer that does not commute with the others (h -> h * a + b, its own a and b), 12 layers,
+    6 rows with a per-row shared input: the pipelined result is the sequential one for gpipe and
+    circular, M below, at and above S; the iteration count and bubble are the formula's."""
+    from runner.models.pipeline import Schedule, run
+
+    layers = 12 // (stages * repeats) * stages * repeats
+    key_a, key_b, key_x = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"a": jax.random.uniform(key_a, (layers, 5), minval=0.5, maxval=1.5),
+              "b": jax.random.normal(key_b, (layers, 5))}
+    x = jax.random.normal(key_x, (6 * microbatches, 5))
+    shared = (jnp.arange(6 * microbatches, dtype=jnp.float32)[:, None], None)
+
+    def layer(w, h, sh):
+        return h * w["a"] + w["b"] + 0.01 * sh[0]
+
+    want = x
+    for i in range(layers):
+        want = layer(jax.tree.map(lambda w: w[i], params), want, shared)
+    schedule = Schedule(stages, microbatches, repeats)
+    got = jax.jit(lambda p, h, s: run(layer, p, h, s, schedule, names=("batch", "embed")))(params, x, shared)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert schedule.iterations == microbatches * repeats + stages - 1
+    assert schedule.bubble == pytest.approx((stages - 1) / (microbatches * repeats + stages - 1))
+    assert schedule.name == ("circular" if repeats > 1 else "gpipe")
+
+
+EQUIVALENCE = """
+import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+from runner.parallel.mesh import make_mesh
+from runner.models.llama import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from tests.parallel.equivalence import logits_and_grads, relative_error
+
+tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 32), 0, 64)
+seg = np.tile(np.array([[1] * 5 + [2] * 3 + [3] * 5 + [4] * 11 + [5] * 8, [1] * 32, [1] * 16 + [2] * 12 + [0] * 4,
+                        [1] * 7 + [2] * 25]), (2, 1))
+starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1) != 0, np.arange(32), 0), axis=1)
+positions, seg = jnp.asarray(np.arange(32) - starts), jnp.asarray(seg)
+llama = LlamaConfig(vocab_size=64, context_length=32, d_model=32, n_layers=8, n_heads=4, head_dim=8, d_ff=48,
+                    n_kv_heads=2)
+gpt = GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=8, n_heads=4)
+MODELS = {"llama": (Llama, LlamaFamily, llama), "gpt": (GPT, GPTFamily, gpt),
+          "unrolled": (Llama, LlamaFamily, dataclasses.replace(llama, scan_layers=False))}
+CASES = {"llama": [({"stage": 2, "data": 2}, 2, 1, ""), ({"stage": 2, "fsdp": 2}, 4, 2, ""),
+                   ({"stage": 4, "fsdp": 2}, 4, 1, ""), ({"stage": 2, "fsdp": 2, "tensor": 2}, 2, 2, ""),
+                   ({"stage": 2, "data": 2, "context": 2}, 2, 1, "allgather"),
+                   ({"stage": 2, "fsdp": 2, "context": 2}, 2, 2, "ulysses")],
+         "gpt": [({"stage": 2, "fsdp": 2}, 2, 1, ""), ({"stage": 4, "data": 2}, 4, 2, ""),
+                 ({"stage": 2, "tensor": 2}, 4, 1, ""), ({"stage": 2, "data": 2, "context": 2}, 2, 2, "ring")],
+         "unrolled": [({"stage": 2, "fsdp": 2}, 2, 2, "")]}
+out = {}
+for name, (Model, Family, cfg) in MODELS.items():
+    params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
+    want, _ = logits_and_grads(Model(cfg), params, tokens, seg, positions)
+    for axes, microbatches, repeats, kind in CASES[name]:
+        c = dataclasses.replace(cfg, pipeline_stages=axes["stage"], pipeline_microbatches=microbatches,
+                                pipeline_repeats=repeats, context_parallel=kind or "auto")
+        shape = {"data": 1, "fsdp": 1, "tensor": 1, **axes}
+        size = int(np.prod(list(shape.values())))
+        with jax.set_mesh(make_mesh(shape, jax.devices()[:size])), nn.logical_axis_rules(Family.axis_rules(c, shape)):
+            got, text = logits_and_grads(Model(c), params, tokens, seg, positions, compiled=True)
+        key = f"{name}/" + "/".join(f"{k}{v}" for k, v in axes.items()) + f"/m{microbatches}/r{repeats}/{kind}"
+        out[key] = [relative_error(got, want), "collective-permute" in text]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.e2e
+def test_stage_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
+    """8 CPU devices, meshes of 4 and 8: stage 2 and 4 beside data, fsdp, tensor and context
+    (allgather, ring, ulysses), gpipe and circular, microbatches at and above the stages, for llama
+    (grouped-query, scanned and unrolled) and gpt, with packed documents: the logits and every
+    gradient within float32 rounding of one device's; each compiled program passes activations
+    between stages (collective permutes)."""
+    out = run_script(EQUIVALENCE, tmp_path, devices=8)
+    assert len(out) == 11
+    for name, (error, passed_on) in out.items():
+        assert error < 1e-5, (name, error)
+        assert passed_on, name
+
+
+RUN = [*TINY, "job=llama_tiny", "job.model.n_layers=4", "job.model.n_kv_heads=1", "data.document_mask=true",
+       "train.steps=20", "checkpoint.every_steps=10", "eval.every=10"]
+GPIPE = ["mesh.stage=2", "mesh.data=2", "pipeline.microbatches=2"]
+CIRCULAR = ["mesh.stage=2", "mesh.data=1", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
+            "pipeline.microbatches=4"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.mark.e2e
+def test_stages_train_the_one_device_curve_resume_bit_exact_move_meshes_and_export(tmp_path) -> None:
+    """20 steps of packed documents through `python -m runner` on 4 devices: gpipe (stage 2 x data
+    2) and circular (stage 2 x fsdp 2, 2 rounds) match one device's losses and say their schedule
+    and bubble at launch; a gpipe run killed at step 12 resumes bit-exact; a circular run killed at
+    12 resumes without stages (data 4), and a run killed without stages resumes in gpipe stages,
+    both onto the one-device curve (the saved layout is the same); the pipelined checkpoint exports
+    to a Hugging Face model whose logits are the one-device model's on it."""
+    from tests.train.test_restore import params_of
+
+    one = run_runner([*RUN, "run.dir=one"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    want = losses(tmp_path / "one")
+    assert sorted(want) == list(range(1, 21)) and want[20] < want[1]
+    for name, mesh in (("gpipe", GPIPE), ("circular", CIRCULAR)):
+        done = run_runner([*RUN, *mesh, f"run.dir=whole/{name}"], tmp_path, devices=4)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert_close_losses(losses(tmp_path / "whole" / name), want, range(1, 21), name)
+    assert ("pipeline: gpipe: 2 stages of 2 layers, 2 microbatches, 3 iterations, bubble 33.3%"
+            in (tmp_path / "whole" / "gpipe" / "RUN_CARD.md").read_text())
+    assert ("pipeline: circular: 2 stages of 1 layer, round them 2 times, 4 microbatches, 9 iterations, bubble 11.1%"
+            in (tmp_path / "whole" / "circular" / "RUN_CARD.md").read_text())
+
+    for name, mesh in (("gpipe", GPIPE), ("circular", CIRCULAR), ("flat", ["mesh.data=4"])):
+        killed = run_runner([*RUN, *mesh, f"run.dir=killed/{name}"], tmp_path, devices=4,
+                            RUNNER_FAULT="kill_at_step:12")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    for name, mesh in (("gpipe", GPIPE), ("circular", ["mesh.data=4"]), ("flat", GPIPE)):
+        again = run_runner([*RUN, *mesh, f"run.dir=killed/{name}"], tmp_path, devices=4)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from step 10 " in again.stdout, again.stdout[-3000:]
+    for a, b in zip(params_of(tmp_path / "killed" / "gpipe", 20), params_of(tmp_path / "whole" / "gpipe", 20),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in ("circular", "flat"):
+        assert_close_losses(losses(tmp_path / "killed" / name), want, range(11, 21), name)
+    assert_exports_as_one_device(tmp_path, tmp_path / "whole" / "gpipe")
+
+
+def assert_exports_as_one_device(tmp_path: Path, run_dir: Path) -> None:
+    """`python -m runner.export` of the run's newest checkpoint: transformers loads every weight,
+    and its logits are runner's one-device model's on the checkpoint's parameters."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+    from flax import linen as nn
+    from flax import serialization
+
+    from runner.models import model_config
+    from runner.models.llama import Llama
+    from tests.conftest import runner_env
+    from tests.test_spec import spec_for
+
+    out = subprocess.run([sys.executable, "-m", "runner.export", str(run_dir), "hf"], cwd=tmp_path,
+                         env=runner_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    config = model_config(spec_for(*RUN))
+    template = nn.unbox(Llama(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 32), jnp.int32))["params"])
+    from tests.train.test_restore import params_of
+
+    params = serialization.from_state_dict(template, jax.tree.unflatten(jax.tree.structure(template),
+                                                                        params_of(run_dir, 20)))
+    tokens = np.arange(64).reshape(2, 32) % 250
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    ours = np.asarray(Llama(config).apply({"params": params}, jnp.asarray(tokens)))
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+REFUSED = [
+    (["mesh.stage=3", "job.model.n_layers=4"], "mesh.stage=3", "does not divide them"),
+    (["mesh.stage=2", "pipeline.schedule=circular", "pipeline.repeats=4", "job.model.n_layers=4"], "mesh.stage=2",
+     "mesh.stage=2 x pipeline.repeats=4 = 8 does not divide them"),
+    (["mesh.stage=2", "pipeline.schedule=circular"], "pipeline.repeats=1", "at least twice"),
+    (["mesh.stage=2", "pipeline.repeats=2"], "pipeline.repeats=2", "gpipe schedule runs each stage's layers once"),
+    (["mesh.stage=2", "pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=1",
+      "job.model.n_layers=4"], "pipeline.microbatches=1", "at least one microbatch per stage"),
+    (["mesh.stage=2", "pipeline.microbatches=3"], "pipeline.microbatches=3", "cut into 3 microbatches"),
+    (["topology=cpu-8", "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=4"], "pipeline.microbatches=4",
+     "of 4 rows each"),
+    (["pipeline.microbatches=4"], "pipeline.microbatches=4", "mesh.stage=1: there is one stage"),
+    (["pipeline.schedule=circular"], "pipeline.schedule='circular'", "mesh.stage=1"),
+    (["mesh.stage=-1"], "mesh.stage=-1", "a positive count"),
+    (["mesh.stage=0"], "mesh.stage=0", "a positive count"),
+    (["job=moe_tiny", "mesh.stage=2"], "job.model.moe.n_experts=8", "balancing loss"),
+    (["topology=cpu-8", "mesh.stage=2", "mesh.context=4", "mesh.data=1", "job.model.context_parallel=usp"],
+     "job.model.context_parallel='usp'", "no form inside the stages"),
+    (["mesh.stage=2", "job.model.quantization=int8"], "job.model.quantization='int8'", "module paths"),
+    (["job=gpt_tiny", "mesh.stage=2", "job.model.dropout=0.1"], "job.model.dropout=0.1", "dropout masks"),
+    (["topology=3xv5p-8", "mode=compile", "mesh.stage=2", "mesh.data=-1", "train.batch_size=12",
+      "eval.batch_size=12"], "mesh.stage=2",
+     "multiple of the slice count"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, reason", REFUSED, ids=[r[1] + "/" + r[0][-1] for r in REFUSED])
+def test_what_cannot_run_in_stages_is_refused_at_start(overrides, key, reason, capsys, tmp_path, monkeypatch) -> None:
+    """Each one line naming the key and value, exit 2, nothing written: layers that do not split
+    into the stages (times the rounds), a schedule's repeats, microbatches that the batch (split
+    over the batch's devices) does not divide or circular's fewer than the stages, pipeline
+    settings without stages, a stage count that is not a count, and what is not proven in stages
+    (an MoE, usp, quantization, dropout); stages across slices that do not divide."""
+    monkeypatch.chdir(tmp_path)
+    line = refused_in_process([*TINY, "job=llama_tiny", *overrides], capsys, build=True)
+    assert key in line and reason in line, line
+    assert not any(tmp_path.iterdir())
