@@ -272,7 +272,7 @@ _MESH_SCRIPT = textwrap.dedent(
     variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), tokens)
 
     fc = variables["params"]["blocks"]["mlp"]["fc"]["kernel"].value
-    assert fc.sharding == NamedSharding(mesh, P(None, "fsdp", "tensor")), fc.sharding
+    assert fc.sharding == NamedSharding(mesh, P("stage", "fsdp", "tensor")), fc.sharding
     head = variables["params"]["lm_head"]["kernel"].value
     assert head.sharding == NamedSharding(mesh, P("fsdp", "tensor")), head.sharding
 

@@ -63,7 +63,7 @@ def test_v4_32_small_model_fits_and_reports_per_device_memory(tmp_path: Path) ->
         assert row in proc.stdout, row
     report = _summary(proc.stdout)
     assert (report["devices"], report["device_kind"], report["mesh"]) == (
-        16, "TPU v4", {"data": 16, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})
+        16, "TPU v4", {"stage": 1, "data": 16, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})
     assert report["fits"] is True and report["limit_bytes"] == CHIPS["v4"].hbm_bytes
     memory = report["memory"]
     # The state is replicated over data=16: every device holds params plus AdamW's two moments.
