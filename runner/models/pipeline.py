@@ -169,10 +169,10 @@ def check(spec: Any, config: Any, context_kind: str = "") -> None:
                 "pipeline_stages).", "use mesh.stage=1, or a family with stages (gpt, llama).")
     groups = stages * spec.pipeline.repeats
     if model.n_layers % groups:
-        what = f"mesh.stage={stages} x pipeline.repeats={spec.pipeline.repeats}" if spec.pipeline.repeats > 1 \
-            else f"mesh.stage={stages}"
+        what = f"mesh.stage={stages} x pipeline.repeats={spec.pipeline.repeats} = {groups}" \
+            if spec.pipeline.repeats > 1 else f"mesh.stage={stages}"
         _refuse(key, stages, f"each stage holds an equal share of the {model.n_layers} layers (job.model.n_layers) "
-                f"in every repeat, and {what} = {groups} does not divide them.",
+                f"in every repeat, and {what} does not divide them.",
                 f"use stages (times repeats) dividing {model.n_layers}, e.g. mesh.stage="
                 f"{max(d for d in range(1, stages + 1) if model.n_layers % (d * spec.pipeline.repeats) == 0)}.")
     unsupported = [

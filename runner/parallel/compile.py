@@ -95,7 +95,7 @@ class CompileReport:
     kernels: dict[str, int] | None = None  # fused-kernel calls in the compiled step, by custom-call target
     host_transfers: dict[str, int] | None = None  # copies to and from host memory in the compiled step
     collective_bytes: dict[str, int] | None = None  # per device per step, by kind (`collective_bytes`)
-    # of those, the collectives whose device groups span slices (multi-slice topologies only)
+    # what crosses between slices, by kind (multi-slice topologies only): `collective_bytes` with slice_of
     cross_slice_bytes: dict[str, int] | None = None
 
     def to_json(self) -> str:
@@ -574,9 +574,9 @@ def collective_bytes(hlo: str, slice_of: Sequence[int] | None = None) -> dict[st
         if not match:
             continue
         result, op = match.groups()
-        kind = op[:-5] if op.endswith("-done") else op
-        crosses = slice_of is None or _crosses(line, slice_of, started)
-        if kind in _COLLECTIVES and not op.endswith("-start") and crosses:
+        kind = re.sub(r"-(start|done)$", "", op)
+        counted = kind in _COLLECTIVES and (slice_of is None or _crosses(line, slice_of, started))
+        if counted and not op.endswith("-start"):
             own[name][kind] = own[name].get(kind, 0) + _bytes_of(result)
         dcn = _MEGASCALE.search(line) if slice_of is not None and op == "send" else None
         if dcn:  # a transfer between slices by the TPU's data-centre network runtime: its data, the first array
