@@ -103,8 +103,9 @@ def test_stage_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None
         assert passed_on, name
 
 
-RUN = [*TINY, "job=llama_tiny", "job.model.n_layers=4", "job.model.n_kv_heads=1", "data.document_mask=true",
-       "train.steps=20", "checkpoint.every_steps=10", "eval.every=10"]
+# scanned layers: the stacked parameters are the ones split over the stages in the checkpoints
+RUN = [*TINY, "job=llama_tiny", "job.model.n_layers=4", "job.model.n_kv_heads=1", "job.model.scan_layers=true",
+       "data.document_mask=true", "train.steps=20", "checkpoint.every_steps=10", "eval.every=10"]
 GPIPE = ["mesh.stage=2", "mesh.data=2", "pipeline.microbatches=2"]
 CIRCULAR = ["mesh.stage=2", "mesh.data=1", "mesh.fsdp=2", "pipeline.schedule=circular", "pipeline.repeats=2",
             "pipeline.microbatches=4"]
@@ -116,8 +117,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.mark.e2e
 def test_stages_train_the_one_device_curve_resume_bit_exact_move_meshes_and_export(tmp_path) -> None:
-    """20 steps of packed documents through `python -m runner` on 4 devices: gpipe (stage 2 x data
-    2) and circular (stage 2 x fsdp 2, 2 rounds) match one device's losses and say their schedule
+    """20 steps of packed documents through `python -m runner` on 4 devices, scanned layers: gpipe
+    (stage 2 x data 2) and circular (stage 2 x fsdp 2, 2 rounds) match one device's losses and say their schedule
     and bubble at launch; a gpipe run killed at step 12 resumes bit-exact; a circular run killed at
     12 resumes without stages (data 4), and a run killed without stages resumes in gpipe stages,
     both onto the one-device curve (the saved layout is the same); the pipelined checkpoint exports
