@@ -98,15 +98,16 @@ def memory() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--memory" in (sys.argv[1:] if argv is None else argv):
-        return memory()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every configuration")
     parser.add_argument("--steps", type=int, default=5, help="steps per configuration per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--memory", action="store_true", help="compiled temporaries with and without iteration remat")
     args = parser.parse_args(argv)
+    if args.memory:
+        return memory()
     names = args.only.split(",")
     configs = {name: [*BASE, *CONFIGS[name][0], *args.overrides] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
