@@ -31,6 +31,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from runner.errors import UserError, first_line
 from runner.exits import DOES_NOT_FIT_EXIT_CODE, HALTED_EXIT_CODE, PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
+from runner.main.ray_logs import HOOK as ONE_LINE_WARNINGS
+from runner.main.ray_logs import one_line_warnings
 
 TARGET = "hydra_plugins.runner_ray_launcher.ray_launcher.RayLauncher"
 NEVER_RETRIED = (USAGE_EXIT_CODE, HALTED_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE)
@@ -279,15 +281,18 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
 
 
 def join_cluster(ray: Any, settings: RaySettings, hosts: int) -> None:
-    """Start a cluster on this machine (address=local) or join one; one paragraph if neither works."""
+    """Start a cluster on this machine (address=local) or join one; one paragraph if neither works.
+    Every Ray process of the job prints Ray's warnings in one line (runner.main.ray_logs)."""
+    one_line_warnings()
+    common = dict(ignore_reinit_error=True, log_to_driver=True, configure_logging=False,
+                  runtime_env={"worker_process_setup_hook": ONE_LINE_WARNINGS})
     try:
         if settings.address == "local":
             # CPUs are logical (as many as the hosts reserve); GPUs and TPUs are what Ray finds here
             ray.init(num_cpus=max(2, int(hosts * settings.cpus_per_host + 0.999)),
-                     object_store_memory=settings.object_store_mb * 2**20, include_dashboard=False,
-                     ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+                     object_store_memory=settings.object_store_mb * 2**20, include_dashboard=False, **common)
         else:
-            ray.init(address=settings.address, ignore_reinit_error=True, log_to_driver=True, configure_logging=False)
+            ray.init(address=settings.address, **common)
     except (ConnectionError, RuntimeError, ValueError) as err:  # e.g. auto with no cluster to join
         raise UserError(f"hydra.launcher.address={settings.address!r}: Ray could not start or join a cluster "
                         f"({first_line(err, 300)}). Fix: start one (`ray start --head`), give its HOST:PORT, or use "

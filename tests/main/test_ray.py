@@ -145,6 +145,43 @@ def test_which_exits_are_retried() -> None:
     assert code == 75 and "its Ray worker died" in message
 
 
+def test_ray_s_warnings_lose_their_traceback_and_errors_keep_it() -> None:
+    """What Train's controller logged on a busy CI machine (a 5 s timeout it calls safe to ignore):
+    one line with the exception's summary. Errors, and other libraries' warnings, are untouched."""
+    import io
+    import logging
+
+    from runner.main.ray_logs import HOOK, one_line_warnings
+
+    saved = logging.getLogRecordFactory()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    loggers = [logging.getLogger(name) for name in ("ray.train.v2.scaling", "jax.somewhere")]
+    try:
+        one_line_warnings()
+        one_line_warnings()  # idempotent: Ray may run the hook where the driver already did
+        for logger in loggers:
+            logger.addHandler(handler)
+            logger.propagate = False
+        try:
+            raise TimeoutError("Get timed out: some object(s) not ready.\nmore detail")
+        except TimeoutError:
+            loggers[0].warning("Failed to send resource request for %s. It's safe to ignore.", "train-1", exc_info=True)
+            loggers[0].error("a real failure", exc_info=True)
+            loggers[1].warning("another library's warning", exc_info=True)
+    finally:
+        logging.setLogRecordFactory(saved)
+        for logger in loggers:
+            logger.removeHandler(handler)
+            logger.propagate = True
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == ("Failed to send resource request for train-1. It's safe to ignore. "
+                        "(TimeoutError: Get timed out: some object(s) not ready.)")
+    assert lines[1] == "a real failure" and lines[2] == "Traceback (most recent call last):"
+    assert "another library's warning" in lines and stream.getvalue().count("Traceback") == 2
+    assert HOOK == "runner.main.ray_logs.one_line_warnings"  # what ray.init's runtime_env names
+
+
 @pytest.mark.e2e
 def test_every_sweep_member_is_a_ray_job_and_the_summary_is_todays(tmp_path) -> None:
     sweep = subprocess.run([sys.executable, "-m", "runner", "-m", "hydra/launcher=ray",
