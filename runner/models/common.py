@@ -15,7 +15,7 @@ changed none (checkpoints written before still restore).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +116,11 @@ def fit_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Any) -> jax.s
 # added to the loss it differentiates, REPORTS are logged with the step's metrics (a name ending
 # in _max or _min by its largest or smallest value over layers, any other by the mean).
 LOSSES, REPORTS = "losses", "reports"
+# What a layer sows instead, when its caller makes this collection mutable (a pipeline, which
+# calls each layer once per microbatch): sums over the call's tokens that add up over the
+# microbatches to the batch's. The block's `settle` turns the batch's sums into the LOSSES, REPORTS
+# and MODEL_STATE the layer would have made in one call (runner.models.common.pipelined_blocks).
+LAYER_SUMS = "layer_sums"
 # What a layer keeps between steps that is not trained (an MoE router's selection bias): the train
 # state carries it (TrainState.model_state), checkpoints hold it, and every apply passes it; the
 # train step lets the layers update it (mutable) and keeps the mean of their updates over micro-batches.
@@ -275,14 +280,14 @@ def stack_blocks(block: Any, block_args: tuple[Any, ...], cfg: Any, x: jax.Array
         schedule = _pipelined(cfg, x, caches, scanned)
         if schedule is None:
             return scanned(x, *shared, caches, index)
-        return pipelined_blocks(block, block_args, scanned.variables, x, shared, index, schedule,
-                                remat_of(cfg)), None
+        return pipelined_blocks(block, block_args, scanned.variables, [scanned.scope], x, shared, index,
+                                schedule, remat_of(cfg)), None
     blocks = [block(*block_args, name=f"block_{i}") for i in layers]
     schedule = _pipelined(cfg, x, caches, blocks[0])
-    if schedule is not None:  # the layers' parameters stacked as the scan holds them
+    if schedule is not None:  # the layers' variables stacked as the scan holds them
         stacked = jax.tree.map(lambda *w: jnp.stack(w), *(b.variables for b in blocks))
-        return pipelined_blocks(block, block_args, stacked, x, shared, index, schedule,
-                                remat_of(cfg)), None
+        return pipelined_blocks(block, block_args, stacked, [b.scope for b in blocks], x, shared, index,
+                                schedule, remat_of(cfg)), None
     updated = []
     for n, module in enumerate(blocks):
         layer = None if caches is None else (caches[0][n], caches[1][n])
@@ -302,21 +307,42 @@ def _pipelined(cfg: Any, x: jax.Array, caches: KVCache | None, module: nn.Module
     return schedule
 
 
-def pipelined_blocks(block: Any, block_args: tuple[Any, ...], variables: Any, x: jax.Array, shared: tuple[Any, ...],
-                     index: jax.Array | None, schedule: pipeline.Schedule, remat: str) -> jax.Array:
-    """The scanned blocks' stacked `variables` applied to `x` in the pipeline `schedule`, each layer
-    by the same block module (and remat) the scan runs, each iteration rematerialised by the same
-    policy (`remat`, resolved: REMAT_POLICIES or none). Initialisation and decoding scan them as
-    one stage does: the parameters are the same."""
-    if set(variables) - {"params"}:
-        raise ValueError(f"pipelined layers carry parameters only, not {sorted(set(variables) - {'params'})} "
-                         "(runner.models.pipeline.check refuses such models)")
+def pipelined_blocks(block: Any, block_args: tuple[Any, ...], variables: Any, scopes: list[Any], x: jax.Array,
+                     shared: tuple[Any, ...], index: jax.Array | None, schedule: pipeline.Schedule,
+                     remat: str) -> jax.Array:
+    """The blocks' stacked `variables` (parameters and MODEL_STATE) applied to `x` in the pipeline
+    `schedule`, each layer by the same block module (and remat) the scan runs, each iteration
+    rematerialised by the same policy (`remat`, resolved: REMAT_POLICIES or none). What the layers
+    sum over a microbatch (LAYER_SUMS) is added up over the microbatches and settled by the block
+    into the LOSSES, REPORTS and MODEL_STATE one call over the batch would have made, in `scopes`
+    (the scanned stack's, or the unrolled blocks'). Initialisation and decoding run as one stage."""
+    unknown = {name for name, tree in variables.items() if tree} - {"params", MODEL_STATE}
+    if unknown:
+        raise ValueError(f"pipelined layers carry parameters and {MODEL_STATE} only, not {sorted(unknown)}")
+    carried = {name: variables[name] for name in ("params", MODEL_STATE) if name in variables}
 
-    def layer(w: Any, h: jax.Array, sh: tuple[Any, ...]) -> jax.Array:
-        return block(*block_args, parent=None).apply({"params": w}, h, *sh, None, index)[0]
+    def layer(w: Any, h: jax.Array, sh: tuple[Any, ...]) -> tuple[jax.Array, Any]:
+        (out, _), sown = block(*block_args, parent=None).apply(w, h, *sh, None, index, mutable=[LAYER_SUMS])
+        return out, sown.get(LAYER_SUMS, {})
 
-    return pipeline.run(layer, variables["params"], x, shared, schedule, remat=remat != "none",
-                        policy=REMAT_POLICIES.get(remat))
+    x, sums = pipeline.run(layer, carried, x, shared, schedule, remat=remat != "none",
+                           policy=REMAT_POLICIES.get(remat))
+    if jax.tree.leaves(sums):
+        settled = block.settle(block_args[0], sums, carried.get(MODEL_STATE, {}))
+        for collection, tree in zip((LOSSES, REPORTS, MODEL_STATE), settled):
+            for i, scope in enumerate(scopes):
+                if tree and scope.is_mutable_collection(collection):
+                    _put(scope, collection, tree if len(scopes) == 1 else jax.tree.map(lambda a: a[i], tree))
+    return x
+
+
+def _put(scope: Any, collection: str, tree: Mapping[str, Any]) -> None:
+    """`tree`'s leaves into `collection` at their paths below `scope` (a module's submodules by name)."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            _put(scope.push(key, reuse=True), collection, value)
+        else:
+            scope.put_variable(collection, key, value)
 
 
 def output_head(cfg: Any, embed: nn.Embed) -> tuple[nn.Module, Callable[[nn.Module, jax.Array], jax.Array]]:

@@ -32,6 +32,7 @@ from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, 
 from runner.models.context_order import to_context_order
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
 from runner.models.moe import MoEMLP
+from runner.models.moe import settle as settle_routing
 from runner.models.quantization import quantized
 
 
@@ -250,6 +251,15 @@ class Block(nn.Module):
         else:  # tiled when training (a cache: decoding a token or a prompt)
             x = x + tiling.feed_forward(MLP(cfg, name="mlp"), h, cfg.mlp_tiles if cache is None else 1)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
+
+    @staticmethod
+    def settle(cfg: LlamaConfig, sums: Any, state: Any) -> tuple[Any, Any, Any]:
+        """A pipeline's (LOSSES, REPORTS, MODEL_STATE) of the layers, stacked, from their routing
+        sums over the batch (runner.models.common.pipelined_blocks): what their calls make."""
+        bias = state.get("moe", {}).get("router_bias")
+        loss, reports, moved = settle_routing(cfg, sums["moe"]["routing"][0], bias)
+        return ({"moe": {"moe_balancing": (loss,)}}, {"moe": {f"moe/{k}": (v,) for k, v in reports.items()}},
+                {} if moved is None else {"moe": {"router_bias": moved}})
 
 
 class Llama(Decoder):

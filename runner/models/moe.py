@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from runner.errors import ConfigError
-from runner.models.common import LOSSES, MODEL_STATE, REPORTS, normal_init, residual_std
+from runner.models.common import LAYER_SUMS, LOSSES, MODEL_STATE, REPORTS, normal_init, residual_std
 
 DISPATCHES = ("ragged", "gmm", "capacity", "dense")
 # The grouped matmuls of a ragged dispatch: ragged_dot (jax.lax's), gmm (megablox's TPU kernel;
@@ -111,6 +111,31 @@ def z_loss(routing: Routing, mask: jax.Array | None = None) -> jax.Array:
     if mask is None:
         return jnp.mean(z)
     return jnp.sum(z * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def routing_sums(routing: Routing, n_experts: int, dropped: jax.Array) -> dict[str, jax.Array]:
+    """One call's routing as sums over its tokens: slots routed to each expert (`hits`, E), all
+    slots, router probabilities (E), tokens, squared log-partitions (`z`), dropped tokens. Sums, so
+    that a pipeline's microbatches add up to the batch's own (`settle` makes the terms from them)."""
+    hits = jnp.sum(jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32), axis=(0, 1))
+    tokens = jnp.asarray(routing.probs.shape[0], jnp.float32)
+    return {"hits": hits, "slots": jnp.sum(hits), "probs": jnp.sum(routing.probs, axis=0), "tokens": tokens,
+            "z": jnp.sum(jax.nn.logsumexp(routing.logits, axis=-1) ** 2), "dropped": dropped * tokens}
+
+
+def settle(cfg: Any, sums: Any, bias: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+    """The balancing terms of `routing_sums` (one call's, or a pipeline's microbatches added up;
+    leading axes such as layers kept): the loss the train step adds (`moe_aux_loss` x the
+    balancing loss + `moe_z_loss` x the z-loss), the reports, and the router bias moved toward
+    even load (None without one)."""
+    n = sums["hits"].shape[-1]
+    load = sums["hits"] / jnp.maximum(sums["slots"], 1.0)[..., None] * n
+    balance = jnp.sum(load / n * (sums["probs"] / sums["tokens"][..., None]), axis=-1) * n
+    z = sums["z"] / sums["tokens"]
+    reports = {"aux_loss": balance, "z_loss": z, "load_max": jnp.max(load, axis=-1),
+               "load_min": jnp.min(load, axis=-1), "dropped": sums["dropped"] / sums["tokens"]}
+    moved = None if bias is None else updated_bias(bias, jax.lax.stop_gradient(load), cfg.moe_bias_rate)
+    return cfg.moe_aux_loss * balance + cfg.moe_z_loss * z, reports, moved
 
 
 def updated_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
@@ -368,14 +393,16 @@ class MoEMLP(nn.Module):
             y = dense_experts(tokens, routing, *weights, act=self.act)
         else:
             raise ValueError(f"moe_dispatch={cfg.moe_dispatch!r} is none of {DISPATCHES}")
-        balance, z = balance_loss(routing, n), z_loss(routing)
-        load = expert_load(routing, n)
-        if bias is not None and self.is_mutable_collection(MODEL_STATE) and not self.is_initializing():
-            bias.value = updated_bias(bias.value, jax.lax.stop_gradient(load), cfg.moe_bias_rate)
-        self.sow(LOSSES, "moe_balancing", cfg.moe_aux_loss * balance + cfg.moe_z_loss * z)
-        for name, value in (("aux_loss", balance), ("z_loss", z), ("load_max", jnp.max(load)),
-                            ("load_min", jnp.min(load)), ("dropped", dropped)):
-            self.sow(REPORTS, f"moe/{name}", value)
+        sums = routing_sums(routing, n, dropped)
+        if self.is_mutable_collection(LAYER_SUMS):  # one microbatch of a pipeline: it settles the batch's sums
+            self.sow(LAYER_SUMS, "routing", sums)
+        else:
+            loss, reports, moved = settle(cfg, sums, None if bias is None else bias.value)
+            if moved is not None and self.is_mutable_collection(MODEL_STATE) and not self.is_initializing():
+                bias.value = moved
+            self.sow(LOSSES, "moe_balancing", loss)
+            for name, value in reports.items():
+                self.sow(REPORTS, f"moe/{name}", value)
         y = y.reshape(x.shape)
         if cfg.moe_shared:
             width = cfg.moe_shared * f

@@ -100,44 +100,58 @@ def _constrain(a: jax.Array, lead: str | None, names: Sequence[str]) -> jax.Arra
     return nn.with_logical_constraint(a, (lead, *names[:a.ndim - 1]))
 
 
-def run(layer: Callable[[Any, jax.Array, Any], jax.Array], params: Any, x: jax.Array, shared: Any,
+def by_layer(a: jax.Array) -> jax.Array:
+    """`by_stage`'s inverse: [S, R, L, ...] -> [n_layers, ...]."""
+    return a.swapaxes(0, 1).reshape(-1, *a.shape[3:])
+
+
+def run(layer: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], params: Any, x: jax.Array, shared: Any,
         schedule: Schedule, names: Sequence[str] = ("batch", "length", "embed"), remat: bool = False,
-        policy: Callable[..., bool] | None = None) -> jax.Array:
+        policy: Callable[..., bool] | None = None) -> tuple[jax.Array, Any]:
     """`x` (B, ...) through every layer of `params` (each leaf stacked [n_layers, ...]) in the
-    `schedule`'s order: ``layer(one layer's params, h, shared) -> h``, `shared` (each leaf (B, ...)
-    or None) cut into microbatches as `x` is. `names`: x's logical axes. With `remat` each
-    iteration is rematerialised under `policy` (the model's): with none (full remat) the backward
-    pass keeps only each iteration's stage inputs and recomputes its layers' inputs, one iteration at
-    a time, instead of keeping every layer's input for every iteration (MaxText's remat of its
-    pipeline iterations)."""
+    `schedule`'s order: ``layer(one layer's params, h, shared) -> (h, sums)``, `shared` (each leaf
+    (B, ...) or None) cut into microbatches as `x` is. Returns (the output, each layer's `sums`
+    added up over the microbatches, stacked [n_layers, ...]). `names`: x's logical axes. With
+    `remat` each iteration is rematerialised under `policy` (the model's): with none (full remat)
+    the backward pass keeps only each iteration's stage inputs and recomputes its layers' inputs,
+    one iteration at a time, instead of keeping every layer's input for every iteration (MaxText's
+    remat of its pipeline iterations)."""
     s, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     staged = jax.tree.map(lambda w: by_stage(w, schedule), params)
     micro = _constrain(to_microbatches(x, m), None, names)
     shared_mb = jax.tree.map(lambda a: _constrain(to_microbatches(a, m), None, names), shared)
     stage_ids = jnp.arange(s)
 
-    def stage(w: Any, repeat: jax.Array, h: jax.Array, sh: Any) -> jax.Array:
+    def stage(w: Any, repeat: jax.Array, h: jax.Array, sh: Any) -> tuple[jax.Array, Any]:
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), w)
-        return jax.lax.scan(lambda carry, wl: (layer(wl, carry, sh), None), h, w)[0]
+        return jax.lax.scan(lambda carry, wl: layer(wl, carry, sh), h, w)
 
     stages = jax.vmap(stage, spmd_axis_name=AXIS if _mesh_has_stages() else None)
+    state = _constrain(jnp.zeros((s, *micro.shape[1:]), x.dtype), STAGES, names)
+    first_sh = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (s, *a.shape[1:])), shared_mb)
+    sums_shape = jax.eval_shape(stages, staged, jnp.zeros(s, jnp.int32), state, first_sh)[1]
+    sums = jax.tree.map(lambda a: jnp.zeros((s, r, *a.shape[1:]), a.dtype), sums_shape)
 
-    def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-        state, outputs = carry
+    def iteration(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
+        state, outputs, sums = carry
         processed = t - stage_ids  # what each stage works on: microbatch processed % M, repeat processed // M
         first = jnp.where(t < m, micro[t % m], outputs[t % m])  # stage 0: a new microbatch, or its next repeat
         state = _constrain(jnp.where((stage_ids == 0).reshape(-1, *[1] * x.ndim), first[None], state), STAGES, names)
         sh = jax.tree.map(lambda a: _constrain(a[processed % m], STAGES, names), shared_mb)
-        out = _constrain(stages(staged, jnp.clip(processed // m, 0, r - 1), state, sh), STAGES, names)
+        repeat = jnp.clip(processed // m, 0, r - 1)
+        out, got = stages(staged, repeat, state, sh)
+        out = _constrain(out, STAGES, names)
+        # each stage's sums count for its repeat's layers when it worked on a real microbatch
+        kept = jax.nn.one_hot(repeat, r, dtype=jnp.float32) * ((processed >= 0) & (processed < m * r))[:, None]
+        sums = jax.tree.map(lambda total, a: total + kept.reshape(s, r, *[1] * (a.ndim - 1)).astype(a.dtype)
+                            * a[:, None], sums, got)
         last = processed[-1]
-        kept = outputs[last % m]
-        outputs = outputs.at[last % m].set(jnp.where((last >= 0) & (last < m * r), out[-1], kept))
-        return (jnp.roll(out, 1, axis=0), _constrain(outputs, None, names)), None
+        outputs = outputs.at[last % m].set(jnp.where((last >= 0) & (last < m * r), out[-1], outputs[last % m]))
+        return (jnp.roll(out, 1, axis=0), _constrain(outputs, None, names), sums), None
 
-    state = _constrain(jnp.zeros((s, *micro.shape[1:]), x.dtype), STAGES, names)
     body = jax.checkpoint(iteration, policy=policy, prevent_cse=False) if remat else iteration
-    (_, outputs), _ = jax.lax.scan(body, (state, jnp.zeros_like(micro)), jnp.arange(schedule.iterations))
-    return from_microbatches(outputs)
+    (_, outputs, sums), _ = jax.lax.scan(body, (state, jnp.zeros_like(micro), sums), jnp.arange(schedule.iterations))
+    return from_microbatches(outputs), jax.tree.map(by_layer, sums)
 
 
 # ----------------------------------------------------------------------------- the spec's pipeline
@@ -168,17 +182,24 @@ def check(spec: Any, config: Any, context_kind: str = "") -> None:
         _refuse(key, stages, f"the {model.family} family does not run its layers in stages (its config has no "
                 "pipeline_stages).", "use mesh.stage=1, or a family with stages (gpt, llama).")
     groups = stages * spec.pipeline.repeats
+    what = f"mesh.stage={stages} x pipeline.repeats={spec.pipeline.repeats} = {groups}" \
+        if spec.pipeline.repeats > 1 else f"mesh.stage={stages}"
     if model.n_layers % groups:
-        what = f"mesh.stage={stages} x pipeline.repeats={spec.pipeline.repeats} = {groups}" \
-            if spec.pipeline.repeats > 1 else f"mesh.stage={stages}"
         _refuse(key, stages, f"each stage holds an equal share of the {model.n_layers} layers (job.model.n_layers) "
                 f"in every repeat, and {what} does not divide them.",
                 f"use stages (times repeats) dividing {model.n_layers}, e.g. mesh.stage="
                 f"{max(d for d in range(1, stages + 1) if model.n_layers % (d * spec.pipeline.repeats) == 0)}.")
+    first_dense = model.moe.first_dense_layers if model.moe.n_experts else 0
+    if first_dense % groups:
+        _refuse("job.model.moe.first_dense_layers", first_dense, f"the {first_dense} dense layers and the "
+                f"{model.n_layers - first_dense} with experts are two stacks, each run in the stages, and "
+                f"{what} does not divide them.",
+                f"use first_dense_layers that {groups} divides, or other stages.")
     unsupported = [
-        (model.moe.n_experts > 0, "job.model.moe.n_experts", model.moe.n_experts, "a mixture of experts' balancing "
-         "loss and router bias are counted over all of a micro-batch's tokens, and a stage sees one microbatch at a "
-         "time (not yet proven equal).", "use mesh.stage=1 for this model, with expert and fsdp axes instead."),
+        (model.moe.n_experts > 0 and model.moe.dispatch == "capacity", "job.model.moe.dispatch", "capacity",
+         "each expert's capacity is a share of the tokens one call routes, and a stage routes one microbatch at a "
+         "time: it would drop other tokens than the one-stage run.", "use job.model.moe.dispatch=ragged (dropless), "
+         "or mesh.stage=1."),
         (spec.mesh.context > 1 and context_kind == "usp", "job.model.context_parallel", "usp", "usp's ring between "
          "its all-to-all groups has no form inside the stages (JAX cannot batch it over them).",
          "use job.model.context_parallel=allgather, ring or ulysses with stages, or mesh.stage=1."),

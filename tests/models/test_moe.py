@@ -18,6 +18,8 @@ from runner.models.moe import (
     expert_load,
     ragged_experts,
     route,
+    routing_sums,
+    settle,
     updated_bias,
     z_loss,
 )
@@ -99,6 +101,31 @@ def test_capacity_drops_the_slots_past_it_and_counts_them() -> None:
                            logits=routing.logits)
     np.testing.assert_allclose(got, dense_experts(x, masked, w_gate, w_up, w_down), rtol=1e-5, atol=1e-6)
     assert float(dropped) == pytest.approx(1 - kept.mean())
+
+
+def test_the_terms_made_from_routing_sums_add_up_over_microbatches() -> None:
+    """`settle` of one call's sums gives the balancing loss, z-loss and load of the functions
+    above; the sums of two halves of the tokens, added, give the whole's terms (what a pipeline
+    does), where the mean of the halves' balancing losses would not."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(moe_aux_loss=0.01, moe_z_loss=0.001, moe_bias_rate=1e-3)
+    logits = jax.random.normal(jax.random.PRNGKey(4), (T, E)) * 2
+    whole, halves = route(logits, 2), [route(logits[:T // 2], 2), route(logits[T // 2:], 2)]
+    no_drop = jnp.zeros(())
+    loss, reports, bias = settle(cfg, routing_sums(whole, E, no_drop), jnp.zeros(E))
+    assert float(reports["aux_loss"]) == pytest.approx(float(balance_loss(whole, E)), rel=1e-6)
+    assert float(reports["z_loss"]) == pytest.approx(float(z_loss(whole)), rel=1e-6)
+    assert float(reports["load_max"]) == float(jnp.max(expert_load(whole, E)))
+    assert float(loss) == pytest.approx(0.01 * float(balance_loss(whole, E)) + 0.001 * float(z_loss(whole)), rel=1e-6)
+    np.testing.assert_array_equal(bias, updated_bias(jnp.zeros(E), expert_load(whole, E), 1e-3))
+    added = jax.tree.map(lambda a, b: a + b, *(routing_sums(h, E, no_drop) for h in halves))
+    loss_added, reports_added, bias_added = settle(cfg, added, jnp.zeros(E))
+    assert float(loss_added) == pytest.approx(float(loss), rel=1e-6)
+    np.testing.assert_array_equal(bias_added, bias)
+    assert reports_added["load_min"] == reports["load_min"]
+    mean_of_halves = np.mean([float(balance_loss(h, E)) for h in halves])
+    assert abs(mean_of_halves - float(reports["aux_loss"])) > 1e-3  # why the sums, not the halves' terms
 
 
 def test_balance_terms() -> None:

@@ -24,7 +24,8 @@ def test_the_schedules_run_every_layer_in_order_on_every_microbatch(stages: int,
                                                                     repeats: int) -> None:
     """A layer that does not commute with the others (h -> h * a + b, its own a and b), 12 layers,
     6 rows with a per-row shared input: the pipelined result is the sequential one for gpipe and
-    circular, M below, at and above S; the iteration count and bubble are the formula's."""
+    circular, M below, at and above S, and so is what each layer sums over its rows, added up over
+    the microbatches; the iteration count and bubble are the formula's."""
     from runner.models.pipeline import Schedule, run
 
     layers = 12 // (stages * repeats) * stages * repeats
@@ -34,15 +35,17 @@ def test_the_schedules_run_every_layer_in_order_on_every_microbatch(stages: int,
     x = jax.random.normal(key_x, (6 * microbatches, 5))
     shared = (jnp.arange(6 * microbatches, dtype=jnp.float32)[:, None], None)
 
-    def layer(w, h, sh):
-        return h * w["a"] + w["b"] + 0.01 * sh[0]
+    def layer(w, h, sh):  # and each row's input summed: what an MoE layer sums over a microbatch
+        return h * w["a"] + w["b"] + 0.01 * sh[0], {"sum": jnp.sum(h, axis=0)}
 
-    want = x
+    want, want_sums = x, []
     for i in range(layers):
-        want = layer(jax.tree.map(lambda w: w[i], params), want, shared)
+        want, sums = layer(jax.tree.map(lambda w: w[i], params), want, shared)
+        want_sums.append(sums["sum"])
     schedule = Schedule(stages, microbatches, repeats)
-    got = jax.jit(lambda p, h, s: run(layer, p, h, s, schedule, names=("batch", "embed")))(params, x, shared)
+    got, got_sums = jax.jit(lambda p, h, s: run(layer, p, h, s, schedule, names=("batch", "embed")))(params, x, shared)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_sums["sum"], np.stack(want_sums), rtol=1e-5, atol=1e-5)  # each layer's, all rows
     assert schedule.iterations == microbatches * repeats + stages - 1
     assert schedule.bubble == pytest.approx((stages - 1) / (microbatches * repeats + stages - 1))
     assert schedule.name == ("circular" if repeats > 1 else "gpipe")
@@ -85,6 +88,34 @@ for name, (Model, Family, cfg) in MODELS.items():
             got, text = logits_and_grads(Model(c), params, tokens, seg, positions, compiled=True)
         key = f"{name}/" + "/".join(f"{k}{v}" for k, v in axes.items()) + f"/m{microbatches}/r{repeats}/{kind}"
         out[key] = [relative_error(got, want), "collective-permute" in text]
+
+# an MoE: the loss with its balancing terms, the reports and the router bias's update as well
+from runner.models.common import LOSSES, REPORTS, MODEL_STATE
+from runner.train.steps import reports
+moe = dataclasses.replace(llama, n_layers=4, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared=1, moe_bias_rate=0.01)
+
+
+def moe_step(model, variables):
+    def loss(p):
+        out, sown = model.apply({"params": p, MODEL_STATE: variables[MODEL_STATE]}, tokens, segment_ids=seg,
+                                positions=positions, mutable=[LOSSES, REPORTS, MODEL_STATE])
+        balancing = sum(jnp.sum(leaf) for leaf in jax.tree.leaves(sown[LOSSES]))
+        return jnp.sum(jnp.sin(out)) + 100 * balancing, (out, reports(sown[REPORTS]), sown[MODEL_STATE])
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    return step(variables["params"]), step.lower(variables["params"]).compile().as_text()
+
+
+variables = nn.unbox(Llama(moe).init(jax.random.PRNGKey(0), tokens))
+want, _ = moe_step(Llama(moe), variables)
+for axes, microbatches, repeats in [({"stage": 2, "data": 2}, 2, 1), ({"stage": 2, "fsdp": 2}, 4, 2),
+                                    ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 1)]:
+    c = dataclasses.replace(moe, pipeline_stages=2, pipeline_microbatches=microbatches, pipeline_repeats=repeats)
+    shape = {"data": 1, "fsdp": 1, "tensor": 1, **axes}
+    with jax.set_mesh(make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])), \
+            nn.logical_axis_rules(LlamaFamily.axis_rules(c, shape)):
+        got, text = moe_step(Llama(c), variables)
+    key = "moe/" + "/".join(f"{k}{v}" for k, v in axes.items()) + f"/m{microbatches}/r{repeats}"
+    out[key] = [relative_error(got, want), "collective-permute" in text]
 print(json.dumps(out))
 """
 
@@ -93,11 +124,12 @@ print(json.dumps(out))
 def test_stage_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
     """8 CPU devices, meshes of 4 and 8: stage 2 and 4 beside data, fsdp, tensor and context
     (allgather, ring, ulysses), gpipe and circular, microbatches at and above the stages, for llama
-    (grouped-query, scanned and unrolled) and gpt, with packed documents: the logits and every
-    gradient within float32 rounding of one device's; each compiled program passes activations
-    between stages (collective permutes)."""
+    (grouped-query, scanned and unrolled), gpt and an MoE llama (beside data, fsdp, and expert with
+    fsdp), with packed documents: the logits and every gradient within float32 rounding of one
+    device's, and for the MoE also its balancing losses, reports and router-bias update; each
+    compiled program passes activations between stages (collective permutes)."""
     out = run_script(EQUIVALENCE, tmp_path, devices=8)
-    assert len(out) == 11
+    assert len(out) == 14
     for name, (error, passed_on) in out.items():
         assert error < 1e-5, (name, error)
         assert passed_on, name
@@ -154,6 +186,49 @@ def test_stages_train_the_one_device_curve_resume_bit_exact_move_meshes_and_expo
     assert_exports_as_one_device(tmp_path, tmp_path / "whole" / "gpipe")
 
 
+MOE = [*TINY, "job=moe_tiny", "data.document_mask=true", "train.steps=20", "checkpoint.every_steps=10", "eval.every=0"]
+MOE_STAGES = ["mesh.stage=2", "mesh.expert=2", "mesh.data=1", "pipeline.microbatches=2"]
+
+
+@pytest.mark.e2e
+def test_an_moe_in_stages_trains_the_one_device_curve_and_resumes_bit_exact(tmp_path) -> None:
+    """`python -m runner`, moe_tiny (2 unrolled layers of 8 experts, the balancing and z losses, the
+    router's selection bias), 20 steps: in 2 gpipe stages beside 2 expert ways, each step's loss,
+    balancing loss and largest expert load are one device's (a stage routes one microbatch at a
+    time, and the sums of every microbatch make the batch's terms and bias update); killed at step
+    12, it resumes bit-exact, parameters and router bias."""
+    one = run_runner([*MOE, "run.dir=one"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    whole = run_runner([*MOE, *MOE_STAGES, "run.dir=whole"], tmp_path, devices=4)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "whole")
+    for name in ("loss", "moe/aux_loss", "moe/load_max"):
+        assert_close_losses({r["step"]: r[name] for r in got if name in r},
+                            {r["step"]: r[name] for r in want if name in r}, range(1, 21), name)
+    bias_one, bias_staged = (state_of(tmp_path / run, 20, "model_state") for run in ("one", "whole"))
+    assert all(np.any(b != 0) for b in bias_one)  # 20 updates of the selection bias, as one device made them
+    for a, b in zip(bias_staged, bias_one, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    killed = run_runner([*MOE, *MOE_STAGES, "run.dir=killed"], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:12")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    again = run_runner([*MOE, *MOE_STAGES, "run.dir=killed"], tmp_path, devices=4)
+    assert again.returncode == 0 and "resumed from step 10 " in again.stdout, again.stderr[-3000:]
+    for a, b in zip(state_of(tmp_path / "killed", 20), state_of(tmp_path / "whole", 20), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def state_of(run_dir: Path, step: int, *parts: str) -> list[np.ndarray]:
+    """The checkpoint's `parts` (its parameters and model state, the router bias), as plain arrays."""
+    import orbax.checkpoint as ocp
+
+    path = (run_dir / "checkpoints" / str(step) / "state").absolute()
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        state = checkpointer.restore(path, args=ocp.args.StandardRestore(
+            fallback_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+    assert jax.tree.leaves(state["model_state"]), sorted(state)
+    return [np.asarray(x) for x in jax.tree.leaves([state[p] for p in parts or ("params", "model_state")])]
+
+
 def assert_exports_as_one_device(tmp_path: Path, run_dir: Path) -> None:
     """`python -m runner.export` of the run's newest checkpoint: transformers loads every weight,
     and its logits are runner's one-device model's on the checkpoint's parameters."""
@@ -203,7 +278,10 @@ REFUSED = [
     (["pipeline.schedule=circular"], "pipeline.schedule='circular'", "mesh.stage=1"),
     (["mesh.stage=-1"], "mesh.stage=-1", "a positive count"),
     (["mesh.stage=0"], "mesh.stage=0", "a positive count"),
-    (["job=moe_tiny", "mesh.stage=2"], "job.model.moe.n_experts=8", "balancing loss"),
+    (["job=moe_tiny", "mesh.stage=2", "job.model.moe.dispatch=capacity"], "job.model.moe.dispatch='capacity'",
+     "other tokens than the one-stage run"),
+    (["job=moe_tiny", "mesh.stage=2", "job.model.moe.first_dense_layers=1"], "job.model.moe.first_dense_layers=1",
+     "two stacks"),
     (["topology=cpu-8", "mesh.stage=2", "mesh.context=4", "mesh.data=1", "job.model.context_parallel=usp"],
      "job.model.context_parallel='usp'", "no form inside the stages"),
     (["mesh.stage=2", "job.model.quantization=int8"], "job.model.quantization='int8'", "module paths"),
@@ -220,7 +298,8 @@ def test_what_cannot_run_in_stages_is_refused_at_start(overrides, key, reason, c
     into the stages (times the rounds), a schedule's repeats, microbatches that the batch (split
     over the batch's devices) does not divide or circular's fewer than the stages, pipeline
     settings without stages, a stage count that is not a count, and what is not proven in stages
-    (an MoE, usp, quantization, dropout); stages across slices that do not divide."""
+    (an MoE's capacity dispatch, usp, quantization, dropout); MoE dense layers that do not split;
+    stages across slices that do not divide."""
     monkeypatch.chdir(tmp_path)
     line = refused_in_process([*TINY, "job=llama_tiny", *overrides], capsys, build=True)
     assert key in line and reason in line, line
