@@ -132,7 +132,9 @@ def run(layer: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], params: A
     sums_shape = jax.eval_shape(stages, staged, jnp.zeros(s, jnp.int32), state, first_sh)[1]
     sums = jax.tree.map(lambda a: jnp.zeros((s, r, *a.shape[1:]), a.dtype), sums_shape)
 
-    def iteration(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
+    Carry = tuple[jax.Array, jax.Array, Any]  # the stages' inputs, the outputs kept, the sums
+
+    def iteration(carry: Carry, t: jax.Array) -> tuple[Carry, None]:
         state, outputs, sums = carry
         processed = t - stage_ids  # what each stage works on: microbatch processed % M, repeat processed // M
         first = jnp.where(t < m, micro[t % m], outputs[t % m])  # stage 0: a new microbatch, or its next repeat
