@@ -16,6 +16,7 @@ down) is. The driver prints each attempt, why it ended and the step it resumed f
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -284,8 +285,7 @@ def join_cluster(ray: Any, settings: RaySettings, hosts: int) -> None:
     """Start a cluster on this machine (address=local) or join one; one paragraph if neither works.
     Every Ray process of the job prints Ray's warnings in one line (runner.main.ray_logs)."""
     one_line_warnings()
-    common = dict(ignore_reinit_error=True, log_to_driver=True, configure_logging=False,
-                  runtime_env={"worker_process_setup_hook": ONE_LINE_WARNINGS})
+    common = dict(ignore_reinit_error=True, log_to_driver=True, configure_logging=False, runtime_env=setup_hook())
     try:
         if settings.address == "local":
             # CPUs are logical (as many as the hosts reserve); GPUs and TPUs are what Ray finds here
@@ -297,6 +297,15 @@ def join_cluster(ray: Any, settings: RaySettings, hosts: int) -> None:
         raise UserError(f"hydra.launcher.address={settings.address!r}: Ray could not start or join a cluster "
                         f"({first_line(err, 300)}). Fix: start one (`ray start --head`), give its HOST:PORT, or use "
                         "hydra.launcher.address=local.") from None
+
+
+def setup_hook() -> dict[str, str]:
+    """The runtime env that runs runner's hook in every Ray process, unless a job submitted with a
+    setup hook of its own (`ray job submit --runtime-env`) runs this driver: Ray refuses two."""
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    if (job.get("runtime_env") or {}).get("worker_process_setup_hook"):
+        return {}
+    return {"worker_process_setup_hook": ONE_LINE_WARNINGS}
 
 
 def make_trainer(settings: RaySettings, scaling_kwargs: Mapping[str, Any], config: dict[str, Any], book: Any) -> Any:

@@ -179,7 +179,21 @@ def test_ray_s_warnings_lose_their_traceback_and_errors_keep_it() -> None:
                         "(TimeoutError: Get timed out: some object(s) not ready.)")
     assert lines[1] == "a real failure" and lines[2] == "Traceback (most recent call last):"
     assert "another library's warning" in lines and stream.getvalue().count("Traceback") == 2
-    assert HOOK == "runner.main.ray_logs.one_line_warnings"  # what ray.init's runtime_env names
+    assert HOOK == "runner.main.ray_logs.one_line_warnings"
+
+
+def test_the_hook_is_named_to_ray_unless_a_submitted_job_has_its_own(monkeypatch) -> None:
+    import json
+
+    from runner.main.ray_launcher import setup_hook
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert setup_hook() == {"worker_process_setup_hook": "runner.main.ray_logs.one_line_warnings"}
+    job = {"runtime_env": {"worker_process_setup_hook": "theirs.setup"}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    assert setup_hook() == {}  # Ray would refuse to merge two hooks: theirs runs, Ray's warnings keep their tracebacks
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "."}}))
+    assert setup_hook() == {"worker_process_setup_hook": "runner.main.ray_logs.one_line_warnings"}
 
 
 @pytest.mark.e2e
