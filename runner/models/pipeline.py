@@ -86,6 +86,23 @@ def by_stage(w: jax.Array, schedule: Schedule) -> jax.Array:
     return w
 
 
+def _at(a: jax.Array, i: jax.Array) -> jax.Array:
+    """Whether each entry of `a`'s leading axis is entry `i`, broadcastable against `a`."""
+    return (jnp.arange(a.shape[0]) == i).reshape(-1, *[1] * (a.ndim - 1))
+
+
+def _pick(a: jax.Array, i: jax.Array) -> jax.Array:
+    """`a[i]` as a masked sum over the leading (microbatch) axis: the same value, and XLA keeps each
+    device's rows where they are (a dynamic slice of the buffer had it gather the whole microbatch
+    buffer over the batch's devices first, at Llama 3 70B 32 GiB a device)."""
+    return jnp.sum(jnp.where(_at(a, i), a, jnp.zeros((), a.dtype)), axis=0)
+
+
+def _put(a: jax.Array, i: jax.Array, value: jax.Array, keep: jax.Array) -> jax.Array:
+    """`a.at[i].set(value)` when `keep`, else `a`, as a masked select (see `_pick`)."""
+    return jnp.where(_at(a, i) & keep, value[None], a)
+
+
 def to_microbatches(a: jax.Array, m: int) -> jax.Array:
     """(B, ...) -> (M, B/M, ...): microbatch k holds rows k, k + M, ..., so each device's share of
     the batch dimension stays on it."""
@@ -137,7 +154,7 @@ def run(layer: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], params: A
     def iteration(carry: Carry, t: jax.Array) -> tuple[Carry, None]:
         state, outputs, sums = carry
         processed = t - stage_ids  # what each stage works on: microbatch processed % M, repeat processed // M
-        first = jnp.where(t < m, micro[t % m], outputs[t % m])  # stage 0: a new microbatch, or its next repeat
+        first = jnp.where(t < m, _pick(micro, t % m), _pick(outputs, t % m))  # stage 0: new, or its next repeat
         state = _constrain(jnp.where((stage_ids == 0).reshape(-1, *[1] * x.ndim), first[None], state), STAGES, names)
         sh = jax.tree.map(lambda a: _constrain(a[processed % m], STAGES, names), shared_mb)
         repeat = jnp.clip(processed // m, 0, r - 1)
@@ -148,7 +165,7 @@ def run(layer: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]], params: A
         sums = jax.tree.map(lambda total, a: total + kept.reshape(s, r, *[1] * (a.ndim - 1)).astype(a.dtype)
                             * a[:, None], sums, got)
         last = processed[-1]
-        outputs = outputs.at[last % m].set(jnp.where((last >= 0) & (last < m * r), out[-1], outputs[last % m]))
+        outputs = _put(outputs, last % m, out[-1], (last >= 0) & (last < m * r))
         return (jnp.roll(out, 1, axis=0), _constrain(outputs, None, names), sums), None
 
     body = jax.checkpoint(iteration, policy=policy, prevent_cse=False) if remat else iteration
