@@ -88,10 +88,30 @@ def runner_env(tmp_path: Path, devices: int = 1, **extra: str) -> dict[str, str]
     return env
 
 
+_SERVER: list[Any] = []  # this pytest process's fork server (tests/forked.py), made on first use
+
+
+def fork_server() -> Any:
+    """The server that starts this pytest process's `python -m runner` processes as forks of one
+    that has already imported runner (tests/forked.py: 3.5-4 s less a process). Its socket lives
+    in a short directory of its own (a Unix socket's path holds at most 107 bytes)."""
+    import tempfile
+
+    from tests.forked import Server
+
+    if not _SERVER:
+        where = Path(tempfile.mkdtemp(prefix="runner-fork-"))
+        _SERVER.append(Server(where / "socket", runner_env(where)))
+    return _SERVER[0]
+
+
 def run_runner(args: list[str], tmp_path: Path, devices: int = 1, timeout: float = 600,
                **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path, devices, **env),
-                          capture_output=True, text=True, timeout=timeout)
+    """`python -m runner ARGS` in `tmp_path`, as subprocess.run(capture_output=True, text=True)
+    gives it (forked by fork_server() where its environment allows)."""
+    from tests.forked import run
+
+    return run(fork_server(), "module", "runner", args, tmp_path, runner_env(tmp_path, devices, **env), timeout)
 
 
 def refused_in_process(overrides: list[str], capsys: pytest.CaptureFixture, multirun: bool = False,
@@ -122,8 +142,10 @@ def wait_for_lines(path: Path, lines: int, timeout: float = 300) -> None:
 def start_runner_until(args: list[str], tmp_path: Path, run_dir: Path, lines: int) -> subprocess.Popen:
     """Start `python -m runner` in the background and return once it has logged `lines` records,
     so a test can signal it mid-run."""
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = runner_env(tmp_path)
+    proc = fork_server().start("module", "runner", args, tmp_path, env) or subprocess.Popen(
+        [sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     wait_for_lines(run_dir / "metrics.jsonl", lines)
     return proc
 
@@ -172,6 +194,9 @@ def _processes_only_in_e2e(request: pytest.FixtureRequest, monkeypatch: pytest.M
         raise AssertionError(f"{nodeid} starts a process ({args!r:.200}); mark it @pytest.mark.e2e")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    from tests.forked import Server
+
+    monkeypatch.setattr(Server, "start", lambda self, kind, target, args, *_, **__: refuse(self, [target, *args]))
 
 
 @pytest.fixture(scope="session")

@@ -45,13 +45,17 @@ def parse(spec: str) -> dict[str, tuple[str, str, str]]:
     return faults
 
 
-_faults = parse(os.environ.get("RUNNER_FAULT", ""))
+def _faults() -> dict[str, tuple[str, str, str]]:
+    """The faults asked for, read when a run asks (not on import: a process forked from one that
+    imported runner has an environment of its own)."""
+    return parse(os.environ.get("RUNNER_FAULT", ""))
 
 
 def armed(event: str, step: int) -> bool:
-    if event not in _faults or _faults[event][0] != str(step):
+    faults = _faults()
+    if event not in faults or faults[event][0] != str(step):
         return False
-    _, process, attempt = _faults[event]
+    _, process, attempt = faults[event]
     if attempt and os.environ.get("RUNNER_ATTEMPT", "1") != attempt:
         return False
     if process:
@@ -132,16 +136,17 @@ class HoldAlone(Component):
 
 def components(wait_for_saves: Callable[[], None], signalled: Callable[[], bool]) -> list[Component]:
     made: list[Component] = []
-    if "kill_at_step" in _faults:
+    faults = _faults()
+    if "kill_at_step" in faults:
         made.append(KillAtStep(wait_for_saves))
-    if "slow_steps" in _faults:
-        made.append(SlowSteps(float(_faults["slow_steps"][0])))
-    if "stall_in_step" in _faults or "wedge_in_step" in _faults:
+    if "slow_steps" in faults:
+        made.append(SlowSteps(float(faults["slow_steps"][0])))
+    if "stall_in_step" in faults or "wedge_in_step" in faults:
         made.append(StallInStep())
-    if "hold_alone" in _faults:
+    if "hold_alone" in faults:
         made.append(HoldAlone(signalled))
     return made
 
 
 def callbacks() -> list[Any]:
-    return [KillAfterSave()] if "kill_after_save" in _faults else []
+    return [KillAfterSave()] if "kill_after_save" in _faults() else []

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from runner.main.ray_launcher import RunnerExit, final_outcome
-from tests.conftest import TINY, read_metrics, runner_env, xla_flags
+from tests.conftest import TINY, fork_server, read_metrics, runner_env, xla_flags
+from tests.forked import run
 from tests.train.test_multiprocess import BASE, STEPS, two_processes  # noqa: F401 (a fixture)
 from tests.train.test_multiprocess import assert_identical_runs as assert_bitwise
 
@@ -20,8 +21,8 @@ ARGS = [*BASE, "eval.every=0", "logging.progress=plain"]
 
 
 def on_ray(args: list[str], tmp_path: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner", *RAY, *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout, env=runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", **env))
+    return run(fork_server(), "module", "runner", [*RAY, *args], tmp_path,
+               runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", **env), timeout)
 
 
 @pytest.mark.e2e
@@ -198,11 +199,10 @@ def test_the_hook_is_named_to_ray_unless_a_submitted_job_has_its_own(monkeypatch
 
 @pytest.mark.e2e
 def test_every_sweep_member_is_a_ray_job_and_the_summary_is_todays(tmp_path) -> None:
-    sweep = subprocess.run([sys.executable, "-m", "runner", "-m", "hydra/launcher=ray",
-                            "hydra.launcher.object_store_mb=100", *TINY, "train.steps=3", "eval.every=0",
-                            "optimizer.lr=1e-2,2e-2", "run.root=runs"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                           env=runner_env(tmp_path, 1, RAY_AUTH_MODE="disabled"))
+    sweep = run(fork_server(), "module", "runner",
+                ["-m", "hydra/launcher=ray", "hydra.launcher.object_store_mb=100", *TINY, "train.steps=3",
+                 "eval.every=0", "optimizer.lr=1e-2,2e-2", "run.root=runs"],
+                tmp_path, runner_env(tmp_path, 1, RAY_AUTH_MODE="disabled"), 600)
     assert sweep.returncode == 0, (sweep.stdout + sweep.stderr)[-3000:]
     assert sweep.stdout.count("ray: finished after 1 attempt (0 restarts)") == 2
     assert ": 2 members, 0 failed" in sweep.stdout

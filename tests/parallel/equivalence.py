@@ -37,13 +37,11 @@ def run_script(script: str, tmp_path: Any, devices: int = 4) -> dict[str, Any]:
     """Run an equivalence script in a process of its own with `devices` CPU devices; its last
     line of output, as JSON."""
     import json
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT, runner_env
+    from tests.conftest import ROOT, fork_server, runner_env
+    from tests.forked import run
 
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=runner_env(tmp_path, devices=devices),
-                          capture_output=True, text=True, timeout=900)
+    proc = run(fork_server(), "code", script, [], ROOT, runner_env(tmp_path, devices=devices), 900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -9,10 +9,10 @@ from runner.train import faults
 
 
 def test_a_spec_of_several_faults_arms_each_at_its_step_and_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    parsed = faults.parse("slow_steps:1, hold_alone:16@0,kill_at_step:6@1#1,kill_after_save:8#2")
-    assert parsed == {"slow_steps": ("1", "", ""), "hold_alone": ("16", "0", ""), "kill_at_step": ("6", "1", "1"),
-                      "kill_after_save": ("8", "", "2")}
-    monkeypatch.setattr(faults, "_faults", parsed)
+    spec = "slow_steps:1, hold_alone:16@0,kill_at_step:6@1#1,kill_after_save:8#2"
+    assert faults.parse(spec) == {"slow_steps": ("1", "", ""), "hold_alone": ("16", "0", ""),
+                                  "kill_at_step": ("6", "1", "1"), "kill_after_save": ("8", "", "2")}
+    monkeypatch.setenv("RUNNER_FAULT", spec)  # read when asked, not on import
     assert faults.armed("hold_alone", 16) and not faults.armed("hold_alone", 15)
     assert not faults.armed("kill_at_step", 6)  # this test's process is process 0, not 1
     monkeypatch.setenv("RUNNER_ATTEMPT", "2")
@@ -22,12 +22,12 @@ def test_a_spec_of_several_faults_arms_each_at_its_step_and_process(monkeypatch:
     assert not faults.armed("stall_in_step", 16)
     kinds = [type(c).__name__ for c in faults.components(lambda: None, lambda: False)]
     assert kinds == ["KillAtStep", "SlowSteps", "HoldAlone"]
-    monkeypatch.setattr(faults, "_faults", faults.parse(""))  # unset: the loop gets nothing of it
+    monkeypatch.delenv("RUNNER_FAULT")  # unset: the loop gets nothing of it
     assert faults.components(lambda: None, lambda: False) == [] and faults.callbacks() == []
 
 
 def test_hold_alone_waits_before_its_step_until_a_signal_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(faults, "_faults", faults.parse("hold_alone:3"))
+    monkeypatch.setenv("RUNNER_FAULT", "hold_alone:3")
     slept: list[float] = []
     monkeypatch.setattr(faults.time, "sleep", slept.append)
     looks = iter([False, False, False, True])

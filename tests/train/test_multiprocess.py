@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, read_metrics, run_runner, runner_env, shared_run, wait_for_lines
+from tests.conftest import TINY, fork_server, read_metrics, run_runner, runner_env, shared_run, wait_for_lines
 from tests.train.test_restore import params_of
 
 STEPS = 12
@@ -41,8 +41,9 @@ def launch(args: list[str], tmp_path: Path, processes: int = 2, devices: int = 2
             e = runner_env(tmp_path, devices, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                            JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **mine)
             extra = []
-        procs.append(subprocess.Popen([sys.executable, "-m", "runner", *args, *extra], cwd=tmp_path, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(fork_server().start("module", "runner", [*args, *extra], tmp_path, e) or subprocess.Popen(
+            [sys.executable, "-m", "runner", *args, *extra], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
     return procs
 
 

@@ -1,0 +1,91 @@
+"""The fork server (tests/forked.py) that starts the suite's `python -m runner` processes: a copy
+behaves as a fresh interpreter does in what the tests read (exit codes, signals, output, its own
+devices, directory, environment and arguments, exit handlers and threads at exit), and an
+environment the imports could have read differently gets a fresh interpreter."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import fork_server, run_runner, runner_env
+from tests.forked import run
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = """
+import atexit, os, sys, threading, time
+import jax
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined", flush=True))).start()
+print(jax.device_count(), os.getcwd(), sys.argv[1:], os.environ.get("RUNNER_FAULT"), flush=True)
+print("to stderr", file=sys.stderr)
+what = sys.argv[1]
+if what == "raise":
+    raise ValueError("uncaught")
+if what == "exit":
+    sys.exit(7)
+if what == "message":
+    sys.exit("a message")
+if what == "wait":
+    time.sleep(60)
+"""
+
+
+def test_a_copy_has_its_own_devices_directory_arguments_environment_and_exit(tmp_path) -> None:
+    server = fork_server()
+    results = {}
+    for devices, what in ((4, "ok"), (2, "raise"), (1, "exit"), (1, "message")):
+        env = runner_env(tmp_path, devices, RUNNER_FAULT=f"f{devices}")
+        assert server.serves(env)
+        results[what] = run(server, "code", SCRIPT, [what, "x"], tmp_path, env, 120)
+    ok = results["ok"]
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.splitlines() == [f"4 {tmp_path} ['ok', 'x'] f4", "thread joined", "atexit ran"]
+    assert ok.stderr == "to stderr\n"
+    raised = results["raise"]
+    assert raised.returncode == 1 and raised.stdout.splitlines()[0] == f"2 {tmp_path} ['raise', 'x'] f2"
+    assert "Traceback (most recent call last)" in raised.stderr and raised.stderr.rstrip().endswith(
+        "ValueError: uncaught")
+    assert "atexit ran" in raised.stdout  # as at any exit
+    assert results["exit"].returncode == 7
+    assert results["message"].returncode == 1 and results["message"].stderr.endswith("a message\n")
+
+
+def test_a_copy_is_signalled_waited_for_and_timed_out_as_a_process_is(tmp_path) -> None:
+    server = fork_server()
+    env = runner_env(tmp_path)
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        proc = server.start("code", SCRIPT, ["wait"], tmp_path, env)
+        assert proc is not None and proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        time.sleep(1.0)  # its thread has printed
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -sig and "thread joined" in out
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run(server, "code", SCRIPT, ["wait"], tmp_path, env, 2)
+    assert time.monotonic() - started < 30  # killed at its timeout, not left to finish
+
+
+def test_runner_s_refusal_is_the_fresh_interpreter_s_and_a_changed_import_setting_is_not_forked(tmp_path) -> None:
+    args = ["train.steps=oops"]
+    forked = run_runner(args, tmp_path)
+    fresh = subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
+                           capture_output=True, text=True, timeout=300)
+    assert forked.returncode == fresh.returncode == 2
+    assert forked.stdout == fresh.stdout and forked.stderr == fresh.stderr
+    assert len(forked.stderr.strip().splitlines()) == 1 and "train.steps" in forked.stderr
+    server = fork_server()
+    for changed in ({"JAX_ENABLE_X64": "1"}, {"PYTHONPATH": str(tmp_path)}, {"RUNNER_CONF_DIR": str(tmp_path)}):
+        env = runner_env(tmp_path, **changed)
+        assert not server.serves(env) and server.start("module", "runner", [], tmp_path, env) is None
+    x64 = run(server, "code", "import jax.numpy as jnp; print(jnp.zeros(1).dtype)", [], tmp_path,
+              runner_env(tmp_path, JAX_ENABLE_X64="1"), 120)
+    assert x64.stdout.strip() == "float64"  # a fresh interpreter read it
