@@ -37,6 +37,7 @@ def xla_flags(devices: int, level: int = COMPILING) -> str:
 
 
 SESSION: dict[str, Path] = {}  # "dir": this session's directory, shared by its xdist workers
+SESSION_ENV: dict[str, str] = {}  # this pytest process's environment as the session starts
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which makes config._tmp_path_factory
@@ -53,6 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from runner.parallel.compile_cache import enable
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = enable(str(SESSION["dir"] / "runner-cache" / "xla"))
+    SESSION_ENV.update(os.environ)  # before any test's monkeypatch: the fork server's environment
 
 
 def shared_run(name: str, make: Callable[[Path], Path]) -> Path:
@@ -101,7 +103,12 @@ def fork_server() -> Any:
 
     if not _SERVER:
         where = Path(tempfile.mkdtemp(prefix="runner-fork-"))
-        _SERVER.append(Server(where / "socket", runner_env(where)))
+        with pytest.MonkeyPatch.context() as mp:  # the session's environment, whatever a test has set
+            for key in set(os.environ) - set(SESSION_ENV):
+                mp.delenv(key)
+            for key, value in SESSION_ENV.items():
+                mp.setenv(key, value)
+            _SERVER.append(Server(where / "socket", runner_env(where)))
     return _SERVER[0]
 
 

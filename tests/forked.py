@@ -37,10 +37,15 @@ PRELOAD = ["jax", "jax.numpy", "flax.linen", "optax", "orbax.checkpoint", "grain
            "runner.checkpoint.checkpointer", "runner.data.documents", "runner.data.strategies",
            "runner.evaluation.base", "runner.parallel.mesh"]
 # Read after the imports (when a backend starts, a run begins or a library is first imported by
-# the copy), so a copy may have its own: jax reads the three JAX_ ones when jax.distributed starts;
-# neither Ray nor wandb nor transformers (HF_HOME) is among the preloaded modules.
+# the copy), so a copy may have its own: jax reads the three JAX_ ones when jax.distributed starts,
+# ALLOW_MULTIPLE_LIBTPU_LOAD when the TPU backend does, XLA's logging TF_CPP_MIN_LOG_LEVEL at its
+# first message, rich NO_COLOR when a console is made; neither Ray nor wandb nor transformers,
+# datasets or tokenizers is among the preloaded modules. (runner sets the last five itself, in the
+# pytest process too when a test calls it there, so they may differ from the server's.)
 RUNTIME_KEYS = {"XLA_FLAGS", "RUNNER_FAULT", "RUNNER_ATTEMPT", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-                "JAX_PROCESS_ID", "HOOK_LOG", "HOOK_FAIL_AT", "HF_HOME", "PYTEST_CURRENT_TEST"}
+                "JAX_PROCESS_ID", "HOOK_LOG", "HOOK_FAIL_AT", "HF_HOME", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
+                "TOKENIZERS_PARALLELISM", "ALLOW_MULTIPLE_LIBTPU_LOAD", "TF_CPP_MIN_LOG_LEVEL", "NO_COLOR",
+                "PYTEST_CURRENT_TEST"}
 RUNTIME_PREFIXES = ("RAY_", "WANDB_")
 PACKET = 1 << 20
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import fork_server, run_runner, runner_env
+from tests.conftest import fork_server, xla_flags
 from tests.forked import run
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,8 @@ def test_a_copy_has_its_own_devices_directory_arguments_environment_and_exit(tmp
     server = fork_server()
     results = {}
     for devices, what in ((4, "ok"), (2, "raise"), (1, "exit"), (1, "message")):
-        env = runner_env(tmp_path, devices, RUNNER_FAULT=f"f{devices}")
+        # the server's environment, as the session started (a test in this process may have set more)
+        env = {**server.env, "XLA_FLAGS": xla_flags(devices), "RUNNER_FAULT": f"f{devices}"}
         assert server.serves(env)
         results[what] = run(server, "code", SCRIPT, [what, "x"], tmp_path, env, 120)
     ok = results["ok"]
@@ -58,7 +59,7 @@ def test_a_copy_has_its_own_devices_directory_arguments_environment_and_exit(tmp
 
 def test_a_copy_is_signalled_waited_for_and_timed_out_as_a_process_is(tmp_path) -> None:
     server = fork_server()
-    env = runner_env(tmp_path)
+    env = server.env
     for sig in (signal.SIGKILL, signal.SIGTERM):
         proc = server.start("code", SCRIPT, ["wait"], tmp_path, env)
         assert proc is not None and proc.poll() is None
@@ -76,16 +77,18 @@ def test_a_copy_is_signalled_waited_for_and_timed_out_as_a_process_is(tmp_path) 
 
 def test_runner_s_refusal_is_the_fresh_interpreter_s_and_a_changed_import_setting_is_not_forked(tmp_path) -> None:
     args = ["train.steps=oops"]
-    forked = run_runner(args, tmp_path)
-    fresh = subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=runner_env(tmp_path),
+    server = fork_server()
+    forked = server.start("module", "runner", args, tmp_path, server.env)
+    assert forked is not None
+    out, err = forked.communicate(timeout=300)
+    fresh = subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=server.env,
                            capture_output=True, text=True, timeout=300)
     assert forked.returncode == fresh.returncode == 2
-    assert forked.stdout == fresh.stdout and forked.stderr == fresh.stderr
-    assert len(forked.stderr.strip().splitlines()) == 1 and "train.steps" in forked.stderr
-    server = fork_server()
+    assert out == fresh.stdout and err == fresh.stderr
+    assert len(err.strip().splitlines()) == 1 and "train.steps" in err
     for changed in ({"JAX_ENABLE_X64": "1"}, {"PYTHONPATH": str(tmp_path)}, {"RUNNER_CONF_DIR": str(tmp_path)}):
-        env = runner_env(tmp_path, **changed)
+        env = {**server.env, **changed}
         assert not server.serves(env) and server.start("module", "runner", [], tmp_path, env) is None
     x64 = run(server, "code", "import jax.numpy as jnp; print(jnp.zeros(1).dtype)", [], tmp_path,
-              runner_env(tmp_path, JAX_ENABLE_X64="1"), 120)
+              {**server.env, "JAX_ENABLE_X64": "1"}, 120)
     assert x64.stdout.strip() == "float64"  # a fresh interpreter read it
