@@ -37,7 +37,7 @@ def xla_flags(devices: int, level: int = COMPILING) -> str:
 
 
 SESSION: dict[str, Path] = {}  # "dir": this session's directory, shared by its xdist workers
-SESSION_ENV: dict[str, str] = {}  # this pytest process's environment as the session starts
+SESSION_ENV: dict[str, str] = {}  # this pytest process's environment as its tests start
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which makes config._tmp_path_factory
@@ -54,7 +54,14 @@ def pytest_configure(config: pytest.Config) -> None:
     from runner.parallel.compile_cache import enable
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = enable(str(SESSION["dir"] / "runner-cache" / "xla"))
-    SESSION_ENV.update(os.environ)  # before any test's monkeypatch: the fork server's environment
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """SESSION_ENV, the fork server's environment: this process's once the test modules are
+    imported (libtpu, torch and transformers set variables on import) and before any test runs
+    (a test's monkeypatch, runner's own settings when a test calls it in this process)."""
+    SESSION_ENV.clear()
+    SESSION_ENV.update(os.environ)
 
 
 def shared_run(name: str, make: Callable[[Path], Path]) -> Path:
