@@ -119,6 +119,30 @@ def fork_server() -> Any:
     return _SERVER[0]
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """This pytest process's fork-server tally, for the summary (fork-tally-WORKER.json)."""
+    if _SERVER and "dir" in SESSION:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        (SESSION["dir"] / f"fork-tally-{worker}.json").write_text(json.dumps(_SERVER[0].tally))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line: how many processes the tests started as forks, how many fresh and why (the
+    variables their environment changed), so a run that lost the server's gain says so."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or "dir" not in SESSION:
+        return
+    forked, fresh = 0, {}
+    for tally in sorted(SESSION["dir"].glob("fork-tally-*.json")):
+        counts = json.loads(tally.read_text())
+        forked += counts["forked"]
+        for why, n in counts["fresh"].items():
+            fresh[why] = fresh.get(why, 0) + n
+    if forked or fresh:
+        whys = "; ".join(f"{n} for {why}" for why, n in sorted(fresh.items(), key=lambda item: -item[1]))
+        terminalreporter.write_line(f"fork server (tests/forked.py): {forked} processes forked, "
+                                    f"{sum(fresh.values())} fresh" + (f" ({whys})" if whys else ""))
+
+
 def run_runner(args: list[str], tmp_path: Path, devices: int = 1, timeout: float = 600,
                **env: str) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in `tmp_path`, as subprocess.run(capture_output=True, text=True)
