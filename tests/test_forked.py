@@ -87,9 +87,23 @@ def test_runner_s_refusal_is_the_fresh_interpreter_s_and_a_changed_import_settin
     assert forked.returncode == fresh.returncode == 2
     assert out == fresh.stdout and err == fresh.stderr
     assert len(err.strip().splitlines()) == 1 and "train.steps" in err
-    for changed in ({"JAX_ENABLE_X64": "1"}, {"PYTHONPATH": str(tmp_path)}, {"RUNNER_CONF_DIR": str(tmp_path)}):
+    before = dict(server.tally["fresh"])
+    for changed in ({"JAX_ENABLE_X64": "1"}, {"PYTHONPATH": str(tmp_path)}, {"RUNNER_CONF_DIR": str(tmp_path)},
+                    {"JAX_ENABLE_X64": "1", "PYTHONPATH": str(tmp_path)}):
         env = {**server.env, **changed}
         assert not server.serves(env) and server.start("module", "runner", [], tmp_path, env) is None
+    # the session's summary counts them by the variables that made them fresh
+    assert {why: n - before.get(why, 0) for why, n in server.tally["fresh"].items() if n != before.get(why, 0)} == {
+        "JAX_ENABLE_X64": 1, "PYTHONPATH": 1, "RUNNER_CONF_DIR": 1, "JAX_ENABLE_X64 PYTHONPATH": 1}
+    # the storage emulator's variables are read when a run makes a client: forked, and the copy
+    # derives the clients' settings from STORAGE_EMULATOR_HOST as `import runner` does
+    env = {**server.env, "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9/"}
+    assert server.serves(env)
+    forked_before = server.tally["forked"]
+    endpoint = run(server, "code", "import os; print(*(os.environ.get(k) for k in ('TENSORSTORE_GCS_HTTP_URL', "
+                   "'GOOGLE_AUTH_TOKEN_FOR_TESTING', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT')))", [], tmp_path, env, 120)
+    assert endpoint.stdout.split() == ["http://127.0.0.1:9", "emulator", "false"]
+    assert server.tally["forked"] == forked_before + 1
     x64 = run(server, "code", "import jax.numpy as jnp; print(jnp.zeros(1).dtype)", [], tmp_path,
               {**server.env, "JAX_ENABLE_X64": "1"}, 120)
     assert x64.stdout.strip() == "float64"  # a fresh interpreter read it
