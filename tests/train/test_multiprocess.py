@@ -201,8 +201,14 @@ HANG_S = 8
 WATCHED = [*BASE, "eval.every=0", f"run.hang_timeout={HANG_S}s", "logging.progress=plain"]
 
 
+# The reference's watchdog is armed as the tests' is, with room for its compiles: the eval at step 0
+# compiles after the loop starts, and on a busy 2-core machine that once took more than HANG_S.
+REFERENCE_HANG_S = 120
+
+
 def make_two_processes(tmp: Path) -> Path:
-    results = finish(launch([*WATCHED, "run.dir=run", "logging.wandb=offline"], tmp))
+    watched = [*BASE, "eval.every=0", f"run.hang_timeout={REFERENCE_HANG_S}s", "logging.progress=plain"]
+    results = finish(launch([*watched, "run.dir=run", "logging.wandb=offline"], tmp))
     for i, (code, stdout, stderr) in enumerate(results):
         assert code == 0, stderr[-3000:]
         (tmp / f"stdout-{i}.txt").write_text(stdout)
