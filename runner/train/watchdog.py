@@ -171,7 +171,7 @@ class Watchdog(Component):
             self.beat(f"the {phase} at step {step} ended")
 
     def limit(self) -> Optional[float]:
-        """Seconds without progress allowed now; None: not armed (auto, before the first step)."""
+        """Seconds without progress allowed now; None: not armed (before the first step)."""
         if self.fixed is not None:
             return self.fixed if self.armed else None
         if not self.step_times:
@@ -187,13 +187,15 @@ class Watchdog(Component):
     # ------------------------------------------------------------------ the loop's component
 
     def start(self, loop: Loop) -> None:
-        self.armed = True
         self.beat(f"the start of the loop at step {loop.holder.step}")
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="runner-watchdog", daemon=True)
             self._thread.start()
 
     def before_step(self, loop: Loop, step: int) -> None:
+        # a duration applies from the first step on: the evaluation at the loop's start compiles
+        # its program first, which may take longer than a timeout sized for steps
+        self.armed = True
         self.beat(f"step {step} being dispatched")
 
     def on_metrics(self, loop: Loop, step: int, metrics: dict[str, float]) -> None:

@@ -144,6 +144,22 @@ def test_auto_with_a_long_compile(tmp_path) -> None:
     assert dog.limit() == 3000.0
 
 
+def test_an_explicit_timeout_arms_at_the_first_step_not_during_the_evaluation_before_it(tmp_path) -> None:
+    """The evaluation at the loop's start compiles its program, which may take longer than a
+    timeout sized for steps (8 s took that on a busy 2-core machine): the duration applies from
+    the first step, as documented."""
+    dog, clock, left, said = make(tmp_path, "8s")
+    dog.start(FakeLoop())  # type: ignore[arg-type]
+    dog.stop()
+    with dog.busy("eval", 0):
+        clock.now += 60  # compiling the evaluation
+        assert dog.limit() is None and not dog.check()
+    steps(dog, clock, 1, 1.0)
+    assert dog.limit() == 8.0
+    clock.now += 8.5
+    assert dog.check() and left == [75] and "the last it saw: step 1 done" in said[0]
+
+
 def test_an_explicit_timeout_judges_saves_and_evaluations_too(tmp_path) -> None:
     dog, clock, left, said = make(tmp_path, "60")
     dog.armed = True
