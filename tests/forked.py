@@ -50,8 +50,15 @@ RUNTIME_KEYS = {"XLA_FLAGS", "RUNNER_FAULT", "RUNNER_ATTEMPT", "JAX_COORDINATOR_
                 "JAX_PROCESS_ID", "HOOK_LOG", "HOOK_FAIL_AT", "HF_HOME", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
                 "TOKENIZERS_PARALLELISM", "ALLOW_MULTIPLE_LIBTPU_LOAD", "TF_CPP_MIN_LOG_LEVEL", "NO_COLOR",
                 "PYTEST_CURRENT_TEST", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
-RUNTIME_PREFIXES = ("RAY_", "WANDB_")
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "HOOK_FAIL_SEED", "PACE_S",
+                "KMP_DUPLICATE_LIB_OK"}
+# Set in the pytest process by a library a test imports after the server started: jax's Mosaic GPU
+# module sets its MOSAIC_GPU_ paths on import (from the installed packages: the same in every process
+# of the session) and reads them for GPU kernels only; threadpoolctl and scikit-learn set
+# KMP_DUPLICATE_LIB_OK on import, read by Intel's OpenMP runtime when it loads (nothing preloaded
+# loads it). HOOK_FAIL_SEED and PACE_S, like HOOK_*, are read by tests/callback_fixture.py when a run
+# builds it. A clean-clone run before these were allowed started 77 of its 270 processes fresh.
+RUNTIME_PREFIXES = ("RAY_", "WANDB_", "MOSAIC_GPU_")
 PACKET = 1 << 20
 
 

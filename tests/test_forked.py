@@ -99,6 +99,9 @@ def test_runner_s_refusal_is_the_fresh_interpreter_s_and_a_changed_import_settin
     # derives the clients' settings from STORAGE_EMULATOR_HOST as `import runner` does
     env = {**server.env, "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9/"}
     assert server.serves(env)
+    # what libraries imported by tests after the server started set in the pytest process
+    leaked = {"MOSAIC_GPU_CUDA_ROOT": "/x", "MOSAIC_GPU_NVSHMEM_SO_PATH": "/y", "KMP_DUPLICATE_LIB_OK": "True"}
+    assert server.serves({**env, **leaked})
     forked_before = server.tally["forked"]
     endpoint = run(server, "code", "import os; print(*(os.environ.get(k) for k in ('TENSORSTORE_GCS_HTTP_URL', "
                    "'GOOGLE_AUTH_TOKEN_FOR_TESTING', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT')))", [], tmp_path, env, 120)
