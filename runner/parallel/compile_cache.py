@@ -31,11 +31,13 @@ def directory(setting: str) -> Optional[str]:
 
 def enable(setting: str) -> Optional[str]:
     """Point JAX's persistent cache at `directory(setting)`, caching every program however quick
-    to compile (a relaunch pays for the many small ones too). Call before the first compilation."""
+    to compile (a relaunch pays for the many small ones too), or turn it off (`none`). Call before
+    the first compilation: JAX decides once a process whether it uses a cache."""
     import jax
 
     where = directory(setting)
-    if where is None:
+    if where is None:  # JAX would still use a JAX_COMPILATION_CACHE_DIR from the environment
+        jax.config.update("jax_enable_compilation_cache", False)
         return None
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -40,6 +40,19 @@ def test_a_relaunch_hits_the_cache_and_a_changed_model_misses_it(tmp_path: Path)
     assert entries(cache) - filled  # a changed model is a different program: compiled, not reused
 
 
+@pytest.mark.e2e
+def test_none_turns_the_cache_off_even_where_the_environment_names_one(tmp_path: Path) -> None:
+    """JAX reads JAX_COMPILATION_CACHE_DIR itself: run.compile_cache=none must still write nothing."""
+    named = tmp_path / "named"
+    off = run_runner([*ARGS, "run.dir=off", "run.compile_cache=none"], tmp_path, JAX_COMPILATION_CACHE_DIR=str(named))
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert not named.exists() or not entries(named), sorted(entries(named))
+    on = run_runner([*ARGS, "run.dir=on"], tmp_path, JAX_COMPILATION_CACHE_DIR=str(named))  # default: that one
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert entries(named)
+    assert losses(tmp_path / "on") == losses(tmp_path / "off")
+
+
 def test_the_cache_directory_setting(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
