@@ -232,7 +232,10 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_earlier_checkpoints(tmp_pa
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
 
-    full = subprocess.run([sys.executable, "-m", "runner", *args, "train.steps=8"], cwd=tmp_path,
+    # its own compilation cache: a write cut at 16 KiB leaves a truncated entry, which JAX never
+    # replaces, and the session's cache would warn about it in every later run of that program
+    own_cache = f"run.compile_cache={tmp_path / 'xla'}"
+    full = subprocess.run([sys.executable, "-m", "runner", *args, "train.steps=8", own_cache], cwd=tmp_path,
                           env=runner_env(tmp_path), capture_output=True, text=True, timeout=600, preexec_fn=limit)
     assert full.returncode == 2, full.stderr[-3000:]
     assert "failed" in full.stderr and "File too large" in full.stderr and "Earlier checkpoints are untouched" \
