@@ -3,6 +3,11 @@
 Every builder has the signature ``(peak_lr, total_steps, warmup_steps, final_lr, **extra)``
 and returns an ``optax.Schedule``. Schedule-specific options are keyword-only parameters of
 the builder, so `build_schedule` can reject unknown ``schedule.<key>`` entries by name.
+
+The built-in ones return a `Schedule`: its lengths (warmup, decay, the stable phase: all derived
+from train.steps) are values the train step takes as arguments, not constants compiled into it,
+so runs that differ only in length (or a finished run extended) share one compiled step. A
+builder may return any other optax schedule; its constants are then compiled into the step.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import inspect
 from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from runner.errors import ConfigError
@@ -22,30 +28,105 @@ SCHEDULES: Registry[ScheduleBuilder] = Registry("schedule", "schedule.name")
 
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
+Values = Mapping[str, Any]  # a schedule's lengths by name: Python numbers, or the train step's arguments
+Formula = Callable[[Any, Values], Any]  # (step, values) -> learning rate
 
-def _with_warmup(peak_lr: float, warmup_steps: int, after: optax.Schedule) -> optax.Schedule:
+
+class Schedule:
+    """An optax schedule, ``schedule(step)``, whose length-dependent constants are named `values`
+    (Python ints and floats) that `at` takes from elsewhere: the train step passes them as weakly
+    typed scalar arguments, so they promote as the Python numbers do, and one program serves runs of
+    any length.
+
+    The formulas are optax's (linear_schedule, cosine_decay_schedule, join_schedules), written so
+    that both give the same bits under jit: XLA turns a division by a constant into a
+    multiplication by its float32 reciprocal, so a division by a length is written as that
+    multiplication, by a reciprocal computed here (`_length`). Which phases there are (a warmup,
+    steps left to decay) is part of the formula: a run shorter than its warmup compiles its own."""
+
+    def __init__(self, formula: Formula, values: Mapping[str, int | float]) -> None:
+        self.formula, self.values = formula, dict(values)
+
+    def __call__(self, step: Any) -> Any:
+        return self.formula(step, self.values)
+
+    def at(self, values: Values) -> optax.Schedule:
+        """This schedule, reading its lengths from `values` (named as `self.values`)."""
+        return lambda step: self.formula(step, values)
+
+
+def values_of(schedule: optax.Schedule) -> dict[str, int | float]:
+    """What the train step passes a schedule: its values, or nothing for a schedule of constants."""
+    return dict(schedule.values) if isinstance(schedule, Schedule) else {}
+
+
+def at(schedule: optax.Schedule, values: Values) -> optax.Schedule:
+    """`schedule` reading its lengths from `values` (a schedule of constants as it is)."""
+    return schedule.at(values) if isinstance(schedule, Schedule) else schedule
+
+
+def _length(name: str, steps: int) -> dict[str, int | float]:
+    """One length as a formula reads it: ``name`` (the count), ``name:float`` (it as a float, as optax's
+    cosine converts it) and ``1/name`` (the float32 reciprocal XLA multiplies by for ``/ steps``)."""
+    return {name: steps, f"{name}:float": float(steps),
+            f"1/{name}": float(np.float32(1) / np.float32(steps)) if steps > 0 else 0.0}
+
+
+def _constant(value: float) -> Schedule:
+    return Schedule(lambda step, v: value, {})  # optax.constant_schedule
+
+
+def _linear(init: float, end: float, name: str, steps: int) -> Schedule:
+    """optax.linear_schedule(init, end, steps) for steps > 0 (held at ``init`` otherwise, as optax does)."""
+    if steps <= 0:
+        return _constant(init)
+
+    def formula(count: Any, v: Values) -> Any:
+        count = jnp.clip(count, 0, v[name])
+        frac = 1 - count.astype(jnp.float32) * v[f"1/{name}"]  # optax: 1 - count / steps
+        return (init - end) * frac + end
+
+    return Schedule(formula, _length(name, steps))
+
+
+def _joined(first: Schedule, then: Schedule, name: str, boundary: int) -> Schedule:
+    """optax.join_schedules([first, then], [boundary]): `then` counts from the boundary."""
+
+    def formula(step: Any, v: Values) -> Any:
+        return jnp.where(step < v[name], first.formula(step, v), then.formula(step - v[name], v))
+
+    return Schedule(formula, {**first.values, **then.values, name: boundary})
+
+
+def _with_warmup(peak_lr: float, warmup_steps: int, after: Schedule) -> Schedule:
     """Linear 0 -> peak over ``warmup_steps``, then ``after`` (which counts from the warmup's end)."""
     if warmup_steps <= 0:
         return after
-    warmup = optax.linear_schedule(0.0, peak_lr, warmup_steps)
-    return optax.join_schedules([warmup, after], [warmup_steps])
+    return _joined(_linear(0.0, peak_lr, "warmup", warmup_steps), after, "warmup", warmup_steps)
 
 
-def _decay(shape: str, peak_lr: float, final_lr: float, steps: int) -> optax.Schedule:
+def _decay(shape: str, peak_lr: float, final_lr: float, steps: int) -> Schedule:
     """Peak -> final over ``steps``; a zero-length decay holds the peak (nothing left to decay)."""
     if steps <= 0:
-        return optax.constant_schedule(peak_lr)
+        return _constant(peak_lr)
     if shape == "linear":
-        return optax.linear_schedule(peak_lr, final_lr, steps)
+        return _linear(peak_lr, final_lr, "decay", steps)
     if shape == "cosine":
-        return optax.cosine_decay_schedule(peak_lr, steps, alpha=final_lr / peak_lr)
+        alpha, exponent = final_lr / peak_lr, 1.0
+
+        def cosine_decay(count: Any, v: Values) -> Any:  # optax.cosine_decay_schedule(peak_lr, steps, alpha)
+            count = jnp.minimum(count, v["decay:float"])
+            cosine = 0.5 * (1 + jnp.cos(jnp.pi * count * v["1/decay"]))  # optax: jnp.pi * count / steps
+            return peak_lr * ((1 - alpha) * cosine**exponent + alpha)
+
+        return Schedule(cosine_decay, _length("decay", steps))
     if shape == "sqrt":
         # "1 - sqrt" cooldown (Hägele et al. 2024); optax has no built-in for it.
-        def sqrt_decay(step: Any) -> Any:
-            progress = jnp.clip(jnp.asarray(step, jnp.float32) / steps, 0.0, 1.0)
+        def sqrt_decay(step: Any, v: Values) -> Any:
+            progress = jnp.clip(jnp.asarray(step, jnp.float32) * v["1/decay"], 0.0, 1.0)  # step / steps
             return final_lr + (peak_lr - final_lr) * (1.0 - jnp.sqrt(progress))
 
-        return sqrt_decay
+        return Schedule(sqrt_decay, _length("decay", steps))
     raise ConfigError("schedule.decay_shape", shape, "unknown decay shape.",
                       f"use one of: {', '.join(DECAY_SHAPES)}.")
 
@@ -54,7 +135,7 @@ def _decay(shape: str, peak_lr: float, final_lr: float, steps: int) -> optax.Sch
 def constant(peak_lr: float, total_steps: int, warmup_steps: int, final_lr: float) -> optax.Schedule:
     """Warmup, then the peak forever; ``final_lr`` is ignored."""
     # Not optax.warmup_constant_schedule: with warmup_steps=0 it holds its init value (0).
-    return _with_warmup(peak_lr, warmup_steps, optax.constant_schedule(peak_lr))
+    return _with_warmup(peak_lr, warmup_steps, _constant(peak_lr))
 
 
 @SCHEDULES.register("cosine")
@@ -92,9 +173,8 @@ def wsd(
             f"the decay ({decay_steps} steps) overlaps the warmup ({warmup_steps} of {total_steps} steps).",
             f"use a decay_fraction <= {(total_steps - warmup_steps) / total_steps:.4g} or fewer warmup steps.",
         )
-    stable = optax.constant_schedule(peak_lr)
     decay = _decay(decay_shape, peak_lr, final_lr, decay_steps)
-    after_warmup = optax.join_schedules([stable, decay], [total_steps - warmup_steps - decay_steps])
+    after_warmup = _joined(_constant(peak_lr), decay, "stable", total_steps - warmup_steps - decay_steps)
     return _with_warmup(peak_lr, warmup_steps, after_warmup)
 
 
@@ -115,11 +195,11 @@ def inverse_sqrt(
         raise ConfigError("schedule.timescale", timescale, "must be a positive integer.",
                           "set it to the step at which the 1/sqrt decay starts, e.g. 1000.")
 
-    def decay(step_after_warmup: Any) -> Any:
-        step = jnp.asarray(step_after_warmup, jnp.float32) + warmup_steps
-        return jnp.maximum(peak_lr * jnp.sqrt(timescale / jnp.maximum(step, timescale)), final_lr)
+    def decay(step_after_warmup: Any, v: Values) -> Any:
+        step = jnp.asarray(step_after_warmup, jnp.float32) + v["warmup"]
+        return jnp.maximum(peak_lr * jnp.sqrt(v["timescale"] / jnp.maximum(step, v["timescale"])), final_lr)
 
-    return _with_warmup(peak_lr, warmup_steps, decay)
+    return _with_warmup(peak_lr, warmup_steps, Schedule(decay, {"warmup": warmup_steps, "timescale": timescale}))
 
 
 def _is_number(value: object) -> bool:

@@ -55,7 +55,7 @@ class Program:
         self.job, self.spec, self.mesh = job, job.spec, job.mesh
         offload.check_devices(self.spec.optimizer.offload, self.mesh.devices.flat)
         self.lr_schedule = self._schedule()
-        self.tx = self._optimizer()
+        self.tx = self.optimizer_with(self.lr_schedule)
 
     def _schedule(self) -> optax.Schedule:
         s, o, t = self.spec.schedule, self.spec.optimizer, self.spec.train
@@ -67,12 +67,15 @@ class Program:
         return build_schedule(chosen or s.name, o.lr, t.steps, min(s.warmup_steps, t.steps),
                               o.lr * s.final_lr_fraction, schedule_extra(self.spec))
 
-    def _optimizer(self) -> optax.GradientTransformation:
-        chosen = self.job.optimizer() or self.spec.optimizer.name
-        params = nn.meta.unbox(self.abstract_variables)["params"]
-        settings = dataclasses.replace(optimizer_settings(self.spec),
-                                       param_axes=param_axis_names(params, self.param_specs))
-        return build_optimizer(chosen, self.lr_schedule, settings, self.spec.optimizer.clip_norm,
+    def optimizer_with(self, schedule: optax.Schedule) -> optax.GradientTransformation:
+        """The job's optimizer following `schedule`: the state's (`self.lr_schedule`), and the one the
+        train step builds around the same schedule reading its lengths from the step's arguments."""
+        if "_optimizer_settings" not in self.__dict__:
+            params = nn.meta.unbox(self.abstract_variables)["params"]
+            self._optimizer_settings = (self.job.optimizer() or self.spec.optimizer.name, dataclasses.replace(
+                optimizer_settings(self.spec), param_axes=param_axis_names(params, self.param_specs)))
+        chosen, settings = self._optimizer_settings
+        return build_optimizer(chosen, schedule, settings, self.spec.optimizer.clip_norm,
                                self.spec.optimizer.state_dtype)
 
     def context(self) -> contextlib.ExitStack:
@@ -122,9 +125,11 @@ class Program:
         return steps.abstract_batch(self.spec, self.mesh, example)
 
     @functools.cached_property
-    def train_step(self) -> Any:
-        """The jitted (not yet compiled) train step; mode=compile lowers this same function."""
-        return steps.make_train_step(self.job.train_step, self.spec, self.lr_schedule, self.state_sharding, self.mesh)
+    def train_step(self) -> steps.Bound:
+        """The jitted (not yet compiled) train step; mode=compile lowers this same function. Called
+        and lowered as (state, batch); the schedule's lengths are its bound values (`steps.Bound`)."""
+        return steps.make_train_step(self.job.train_step, self.spec, self.lr_schedule, self.state_sharding, self.mesh,
+                                     self.optimizer_with)
 
     @functools.cached_property
     def val_step(self) -> Any:

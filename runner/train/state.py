@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
@@ -52,8 +53,11 @@ def state_around(model: Any, tx: optax.GradientTransformation, key: jax.Array, p
     parameters' shapes known already, `jax.eval_shape` of this gives the state's shapes without
     tracing the model again (about a second of every launch for gpt_10m)."""
     _, rng = jax.random.split(key)
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, guard=initial_guard_state(),
-                             model_state=model_state or {})
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, guard=initial_guard_state(),
+                              model_state=model_state or {})
+    # An int32 array, as a restored step is (not the weakly typed 0 `create` gives): a fresh launch and
+    # a resumed or extended one then compile the same train step and share its compile-cache entry.
+    return state.replace(step=jnp.asarray(state.step, jnp.int32))
 
 
 def abstract_variables(model: Any, key: jax.Array, init_args: Sequence[Any]) -> Any:

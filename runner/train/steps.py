@@ -15,7 +15,7 @@ import optax
 from runner.data.documents import model_inputs
 from runner.models.common import LOSSES, MODEL_STATE, REPORTS, Decoder
 from runner.observability import debug
-from runner.optim import offload
+from runner.optim import offload, schedules
 from runner.parallel.mesh import microbatch_sharding
 from runner.spec import ExecutionSpec
 from runner.train.guards import guard_update
@@ -155,28 +155,66 @@ def abstract_batch(spec: ExecutionSpec, mesh: jax.sharding.Mesh,
             for k, v in example.items()}
 
 
+class Bound:
+    """The train step (jitted, lowered or compiled) with its last argument bound: the schedule's
+    length-dependent values (`runner.optim.schedules.Schedule`). Everyone calls and lowers it as
+    (state, batch); the rest is the wrapped object's. The values go to the devices once, replicated
+    and weakly typed like the Python numbers they stand for."""
+
+    def __init__(self, inner: Any, values: Mapping[str, int | float], sharding: jax.sharding.Sharding) -> None:
+        self.inner, self.values, self.sharding = inner, dict(values), sharding
+        self._placed: Any = None
+
+    def __call__(self, state: Any, batch: Batch) -> Any:
+        if self._placed is None:
+            self._placed = jax.device_put(self.values, self.sharding)
+        return self.inner(state, batch, self._placed)
+
+    def lower(self, state: Any, batch: Any) -> "Bound":
+        return Bound(self.inner.lower(state, batch, self.values), self.values, self.sharding)
+
+    def compile(self, *args: Any, **kwargs: Any) -> "Bound":
+        return Bound(self.inner.compile(*args, **kwargs), self.values, self.sharding)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 def make_train_step(step_fn: Callable[..., tuple[Any, jax.Array, Any]], spec: ExecutionSpec,
-                    schedule: optax.Schedule, state_sharding: Any, mesh: jax.sharding.Mesh) -> Any:
+                    schedule: optax.Schedule, state_sharding: Any, mesh: jax.sharding.Mesh,
+                    optimizer_with: Callable[[optax.Schedule], optax.GradientTransformation] | None = None) -> Bound:
     """The jitted step the loop runs, (state, batch) -> (state, metrics): the step's key is
     fold_in(rng, step), the guard keeps or drops the update, and the metrics stay on the device
-    (the loop reads them one step late). The state is donated."""
+    (the loop reads them one step late). The state is donated.
+
+    The schedule's lengths (train.steps, the warmup and what derives from them) are the step's
+    arguments, not constants: it builds the optimizer around the schedule reading them
+    (`optimizer_with`), so runs that differ only in length, and a finished run extended, share this
+    program and its compile-cache entry. The state keeps its own optimizer (nothing is saved)."""
     accumulate, guard, norms = spec.train.accumulate_steps, spec.guard, spec.debug.norms_every > 0
     kept = state_sharding.opt_state  # in host memory with optimizer.offload=host: fetched, updated, stored
+    values = schedules.values_of(schedule) if optimizer_with is not None else {}
 
-    def step(state: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
+    def step(state: Any, batch: Batch, lengths: schedules.Values) -> tuple[Any, dict[str, jax.Array]]:
+        scheduled, own = schedules.at(schedule, lengths) if values else schedule, state.tx
+        if values:
+            state = state.replace(tx=optimizer_with(scheduled))
         state = state.replace(opt_state=offload.fetch(state.opt_state, kept))
         key = jax.random.fold_in(state.rng, state.step)
         new_state, loss, meta = step_fn(state, batch, key, accumulate, layer_norms=norms)
         new_state, flags = guard_update(guard, state, new_state, loss, meta["grad_norm"])
         if norms:
             meta.update(debug.param_and_update_norms(state.params, new_state.params))
-        lr = jnp.asarray(schedule(state.step), jnp.float32)
-        return new_state.replace(opt_state=offload.store(new_state.opt_state, kept)), {"loss": loss, "lr": lr,
-                                                                                        **meta, **flags}
+        lr = jnp.asarray(scheduled(state.step), jnp.float32)
+        return new_state.replace(tx=own, opt_state=offload.store(new_state.opt_state, kept)), {
+            "loss": loss, "lr": lr, **meta, **flags}
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, microbatch_sharding(mesh)),
-                   out_shardings=(state_sharding, replicated))
+    jitted = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, microbatch_sharding(mesh), replicated),
+                     out_shardings=(state_sharding, replicated))
+    return Bound(jitted, values, replicated)
 
 
 def make_val_step(step_fn: Callable[..., Any], state_sharding: Any, mesh: jax.sharding.Mesh) -> Any:

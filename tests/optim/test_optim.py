@@ -124,6 +124,74 @@ def test_bad_wsd_extras(extra: dict, key: str) -> None:
     assert err.value.key == key
 
 
+# --- lengths as values: one program for runs of any length (issue 59) -----------------------
+
+
+def optax_schedule(name: str, peak: float, total: int, warmup: int, final: float, extra: dict) -> optax.Schedule:
+    """The schedules as runner built them from optax with their lengths as constants (before
+    issue 59): what the value-reading ones must equal bit for bit."""
+    def decay(shape: str, steps: int) -> optax.Schedule:
+        if steps <= 0:
+            return optax.constant_schedule(peak)
+        if shape == "linear":
+            return optax.linear_schedule(peak, final, steps)
+        if shape == "cosine":
+            return optax.cosine_decay_schedule(peak, steps, alpha=final / peak)
+        return lambda step: final + (peak - final) * (1.0 - jnp.sqrt(jnp.clip(jnp.asarray(step, jnp.float32) / steps,
+                                                                              0.0, 1.0)))
+
+    if name == "constant":
+        after = optax.constant_schedule(peak)
+    elif name in ("cosine", "linear"):
+        after = decay(name, total - warmup)
+    elif name == "wsd":
+        decay_steps = int(round(extra.get("decay_fraction", 0.2) * total))
+        after = optax.join_schedules([optax.constant_schedule(peak), decay(extra.get("decay_shape", "linear"),
+                                                                           decay_steps)],
+                                     [total - warmup - decay_steps])
+    else:
+        timescale = extra.get("timescale", warmup if warmup > 0 else 1000)
+        after = lambda step: jnp.maximum(peak * jnp.sqrt(  # noqa: E731
+            timescale / jnp.maximum(jnp.asarray(step, jnp.float32) + warmup, timescale)), final)
+    if warmup <= 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+# (train.steps, warmup, peak, final / peak): long and short runs, no warmup, all warmup.
+LENGTHS = [(100, 10, 3e-4, 0.1), (1000, 100, 1.0, 0.0), (10, 0, 3e-4, 0.1), (37, 37, 1.0, 0.1), (7, 3, 6e-4, 0.0)]
+
+
+def test_schedules_reading_their_lengths_equal_optax_bit_for_bit() -> None:
+    """The train step takes a schedule's lengths as (weakly typed) arguments: under jit, for every
+    schedule and many lengths, that gives the very bits (and types) the constants gave."""
+    cases = [(name, peak, total, warmup, peak * fraction, extra)
+             for name, extra, *_ in SCHEDULE_CASES + [("wsd", {"decay_fraction": 0.0}, {}),
+                                                      ("inverse_sqrt", {"timescale": 3}, {})]
+             for total, warmup, peak, fraction in LENGTHS
+             if name != "wsd" or round(extra.get("decay_fraction", 0.2) * total) <= total - warmup]
+    built = [build_schedule(*case) for case in cases]
+    old = [optax_schedule(*case) for case in cases]
+    steps = jnp.arange(1100, dtype=jnp.int32)  # past the end of every run above
+
+    def bits(outputs: list[jax.Array]) -> np.ndarray:
+        return np.stack([np.broadcast_to(np.asarray(out, np.float32), steps.shape) for out in outputs]).view(np.uint32)
+
+    expected = bits(jax.jit(lambda s: [schedule(s) for schedule in old])(steps))
+    as_values = jax.jit(lambda s, values: [schedule.at(v)(s) for schedule, v in zip(built, values)])
+    np.testing.assert_array_equal(bits(as_values(steps, [schedule.values for schedule in built])), expected)
+    np.testing.assert_array_equal(bits(jax.jit(lambda s: [schedule(s) for schedule in built])(steps)), expected)
+    one = jnp.int32(5)  # weakly typed or not decides how a learning rate promotes against bfloat16
+    assert [jax.eval_shape(lambda s, v: schedule.at(v)(s), one, schedule.values) for schedule in built] == \
+        [jax.eval_shape(schedule, one) for schedule in old]
+    # One program for every length: the values differ, the program does not.
+    longer, shorter = (build_schedule("cosine", PEAK, total, WARMUP, FINAL) for total in (2 * TOTAL, TOTAL))
+    assert set(longer.values) == set(shorter.values) and longer.values != shorter.values
+    lowered = [jax.jit(lambda s, v: schedule.at(v)(s)).lower(one, schedule.values).as_text()  # noqa: B023
+               for schedule in (longer, shorter)]
+    assert lowered[0] == lowered[1]
+
+
 # --- optimizers ------------------------------------------------------------------------------
 
 
