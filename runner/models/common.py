@@ -218,7 +218,7 @@ def layer_input(x: jax.Array) -> jax.Array:
 def remat_of(cfg: Any) -> str:
     """cfg.remat with auto resolved: dots when the layers are scanned (a scan stacks every saved
     activation of every layer, and saving only the weight matmuls' outputs made the scanned step
-    1.14x faster on the 10.9M GPT-2 of tools/bench_maxtext.py), none when they are unrolled (where
+    1.14x faster on the 10.9M GPT-2 of tools/bench/bench_maxtext.py), none when they are unrolled (where
     the two measured the same)."""
     if cfg.remat != "auto":
         return cfg.remat

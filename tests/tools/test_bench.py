@@ -1,4 +1,4 @@
-"""tools/bench.py's output format: one JSON line with the documented keys and types, then the table.
+"""tools/bench/bench.py's output format: one JSON line with the documented keys and types, then the table.
 
 The FLOPs formula is checked against a hand count in tests/models/test_gpt.py. No test asserts a timing.
 """
@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import ROOT, TINY, runner_env
 
+BENCH = ROOT / "tools" / "bench"  # the benchmarks: run as scripts, some imported by path
+
 NUMBERS = ("time_to_first_step_s", "baseline_first_step_s", "step_time_s", "step_time_p90_s",
            "baseline_step_time_s", "tokens_per_s", "baseline_tokens_per_s", "ratio", "flops_per_token",
            "achieved_flops_per_s", "baseline_flops_per_s", "peak_flops_per_s", "mfu", "baseline_mfu",
@@ -22,10 +24,10 @@ INTEGERS = ("parameters", "batch_size", "seq_len", "devices", "host_peak_rss_byt
             "baseline_block_steps", "save_window_steps")
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_bench_output_format(tmp_path: Path) -> None:
     overrides = [*TINY, "eval.evaluators=[]"]  # no evaluator: one compilation fewer
-    args = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "12", "--block", "4", "--rounds", "1",
+    args = [sys.executable, str(BENCH / "bench.py"), "--steps", "12", "--block", "4", "--rounds", "1",
             "--loader-steps", "3",
             "--label", "fmt", "--out", str(tmp_path / "bench.jsonl"), "--dir", str(tmp_path), *overrides]
     proc = subprocess.run(args, cwd=tmp_path, env=runner_env(tmp_path), capture_output=True, text=True, timeout=300)
@@ -55,7 +57,7 @@ def test_bench_output_format(tmp_path: Path) -> None:
     matplotlib = __import__("importlib").util.find_spec("matplotlib")
     if matplotlib is not None:  # the plot, when the bench extra is installed
         out = tmp_path / "bench.png"
-        subprocess.run([sys.executable, str(ROOT / "tools" / "plot_bench.py"), str(tmp_path / "bench.jsonl"),
+        subprocess.run([sys.executable, str(BENCH / "plot_bench.py"), str(tmp_path / "bench.jsonl"),
                         "-o", str(out)], check=True, capture_output=True, timeout=120)
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -65,11 +67,11 @@ def test_bench_envs_parses_environments_and_compares_each_with_the_first() -> No
 
     import pytest
 
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(BENCH))
     try:
         import bench_envs
     finally:
-        sys.path.remove(str(ROOT / "tools"))
+        sys.path.remove(str(BENCH))
     assert bench_envs.parse_env("after=.venv/bin/python:XLA_FLAGS=--xla_a=1 --xla_b=2:OMP=1") == (
         "after", ".venv/bin/python", {"XLA_FLAGS": "--xla_a=1 --xla_b=2", "OMP": "1"})
     with pytest.raises(argparse.ArgumentTypeError):
@@ -84,12 +86,12 @@ def test_bench_envs_parses_environments_and_compares_each_with_the_first() -> No
     assert "runner tok/s 150 (1.300x)" in text and "first step s 5 (0.500x)" in text, text
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_bench_device_reports_each_configuration_and_a_failing_one_apart(tmp_path: Path) -> None:
-    """tools/bench_device.py on this CPU: a configuration of the user's own (llama_tiny in fp8, whose
+    """tools/bench/bench_device.py on this CPU: a configuration of the user's own (llama_tiny in fp8, whose
     matmuls the CPU runs dequantized), and one that is refused, reported with its error while the
     other still runs."""
-    args = [sys.executable, str(ROOT / "tools" / "bench_device.py"), "--steps", "2", "--rounds", "2",
+    args = [sys.executable, str(BENCH / "bench_device.py"), "--steps", "2", "--rounds", "2",
             "--out", str(tmp_path / "device.jsonl"), "--hlo", str(tmp_path),
             "--config", "fp8=job=llama_tiny,job.model.attention=xla,job.model.quantization=fp8,train.batch_size=4",
             "--config", "refused=job.model.attention=cudnn", "--only", "fp8,refused",
@@ -105,9 +107,9 @@ def test_bench_device_reports_each_configuration_and_a_failing_one_apart(tmp_pat
     assert "refused" in done.stdout and "failed" in done.stdout  # the table says so too
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_bench_maxtext_alternates_both_loops_and_reads_maxtext_s_step_lines(tmp_path: Path) -> None:
-    """tools/bench_maxtext.py with a stand-in for MaxText's environment (a script that answers as
+    """tools/bench/bench_maxtext.py with a stand-in for MaxText's environment (a script that answers as
     its Python would: the package's directory, then the training loop's step lines), and runner's
     real loop, scanned and unrolled, on a smaller model (runner's extra overrides)."""
     fake = tmp_path / "maxtext-python"
@@ -117,13 +119,13 @@ def test_bench_maxtext_alternates_both_loops_and_reads_maxtext_s_step_lines(tmp_
                     "esac\n")
     fake.chmod(0o755)
     env = runner_env(tmp_path)
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(BENCH))
     try:
         import bench_maxtext
     finally:
         sys.path.pop(0)
     assert bench_maxtext.steady([9.0, 1.0, 2.0, 3.0, 7.0], 1) == 2.0  # no warm-up, no last step
-    args = [sys.executable, str(ROOT / "tools" / "bench_maxtext.py"), "--maxtext-python", str(fake), "--rounds", "2",
+    args = [sys.executable, str(BENCH / "bench_maxtext.py"), "--maxtext-python", str(fake), "--rounds", "2",
             "--steps", "8", "--warmup", "2", "--out", str(tmp_path / "mt.jsonl"),
             "job.model.d_model=32", "job.model.n_layers=2", "job.model.n_heads=2", "job.model.d_ff=64",
             "train.seq_len=32", "job.model.context_length=32"]

@@ -1,7 +1,7 @@
-"""tools/longest_context.py: its search stops at the first length that does not fit and keeps
+"""tools/bench/longest_context.py: its search stops at the first length that does not fit and keeps
 what it compiled (a second run compiles nothing again), and its table says per kind and setting
 the longest that fit and why the next did not. The compiles themselves are faked here; the
-records it wrote for docs/performance.md are in docs/bench_longest_context.jsonl."""
+records it wrote for docs/performance.md are in docs/records/bench_longest_context.jsonl."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
 import longest_context as tool  # noqa: E402
 

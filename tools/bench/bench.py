@@ -1,8 +1,8 @@
 """End-to-end training benchmark: runner's real loop against a minimal hand-written jitted loop.
 
-    .venv/bin/python tools/bench.py                                   # gpt_tiny, 5 rounds of 30 steps
-    .venv/bin/python tools/bench.py --steps 40 job=gpt_10m            # the ~10M-parameter model
-    .venv/bin/python tools/bench.py --steps 12 --block 4 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
+    .venv/bin/python tools/bench/bench.py                                   # gpt_tiny, 5 rounds of 30 steps
+    .venv/bin/python tools/bench/bench.py --steps 40 job=gpt_10m            # the ~10M-parameter model
+    .venv/bin/python tools/bench/bench.py --steps 12 --block 4 --rounds 2 --out bench.jsonl job=gpt_tiny topology=cpu-1
 
 Positional arguments are Hydra overrides, composed exactly as ``python -m runner`` composes them
 (runner.main.cli.precheck, then runner.main.config.build_spec). How it measures, all in this one process:
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for runner
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -3,8 +3,8 @@ layer (width 768, 12 heads of 64, 4 key/value heads; one layer and a 512-token v
 fit a step in this machine's memory) on rows of 8,192 tokens, two rows a step, on 2 CPU
 devices, in interleaved rounds of its compiled step.
 
-    .venv/bin/python tools/bench_context.py                   # context 1 (a row per device) vs 2, allgather vs ring
-    .venv/bin/python tools/bench_context.py --steps 2 --rounds 3 --out context.jsonl
+    .venv/bin/python tools/bench/bench_context.py             # context 1 (a row per device) vs 2, allgather vs ring
+    .venv/bin/python tools/bench/bench_context.py --steps 2 --rounds 3 --out context.jsonl
 
 `data2` splits the batch (each device one whole row); `context2_allgather` and `context2_ring`
 split every row over both devices (job.model.context_parallel). Reports tokens/s, the ratio to

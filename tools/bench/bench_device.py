@@ -1,9 +1,9 @@
 """Accelerator speed of runner's compiled train step: tokens/s per device and MFU against the
 topology's chip peak, one configuration after another in one process.
 
-    python tools/bench_device.py                                   # llama3_1b on one H100: cuDNN vs xla, bf16
-    python tools/bench_device.py --config b16=train.batch_size=16,job.model.remat=dots --out gpu.jsonl
-    python tools/bench_device.py --only cudnn_b8_full --steps 20 --rounds 3 job.model.n_layers=4
+    python tools/bench/bench_device.py                                   # llama3_1b on one H100: cuDNN vs xla, bf16
+    python tools/bench/bench_device.py --config b16=train.batch_size=16,job.model.remat=dots --out gpu.jsonl
+    python tools/bench/bench_device.py --only cudnn_b8_full --steps 20 --rounds 3 job.model.n_layers=4
 
 Each configuration (``--config NAME=OVERRIDE,OVERRIDE,...``, on top of the positional overrides,
 on top of BASE) is built (a fresh state), compiled, warmed up by one step, timed as ``--rounds``

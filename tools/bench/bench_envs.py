@@ -1,17 +1,17 @@
 """The same benchmark under several environments, interleaved: before/after an upgrade, XLA flags.
 
-    python tools/bench_envs.py --env before=/opt/venv-jax010/bin/python --env after=.venv/bin/python \\
-        --repeats 3 --job gpt_tiny:60 --job gpt_10m:30 --out docs/bench_envs.jsonl
+    python tools/bench/bench_envs.py --env before=/opt/venv-jax010/bin/python --env after=.venv/bin/python \\
+        --repeats 3 --job gpt_tiny:60 --job gpt_10m:30 --out docs/records/bench_envs.jsonl
 
-    python tools/bench_envs.py --env plain=.venv/bin/python \\
+    python tools/bench/bench_envs.py --env plain=.venv/bin/python \\
         --env onednn=.venv/bin/python:XLA_FLAGS=--xla_cpu_use_onednn=true --job gpt_tiny:60
 
 An environment is ``NAME=PYTHON[:VAR=VALUE[:VAR=VALUE...]]``: an interpreter (a virtual
 environment with runner's dependencies) and extra environment variables. Every repeat runs
-tools/bench.py once per job and environment, each in a fresh process (so each measures its own
+tools/bench/bench.py once per job and environment, each in a fresh process (so each measures its own
 compilation), and the order of the environments flips from one repeat to the next, so the
 machine's drift and other tenants' load fall on all of them alike. Each run's JSON line (from
-tools/bench.py) is appended to ``--out`` with the environment's name and the repeat; the table at
+tools/bench/bench.py) is appended to ``--out`` with the environment's name and the repeat; the table at
 the end gives per job and environment the medians over repeats of runner's tokens/s, the bare
 jitted loop's tokens/s and the time from the start of a run to its first step, and each against
 the first environment as the median of the per-repeat ratios (runs of one repeat are next to
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_env(text: str) -> tuple[str, str, dict[str, str]]:
@@ -55,7 +55,7 @@ def parse_job(text: str) -> tuple[str, int]:
 
 def run_one(env: tuple[str, str, dict[str, str]], job: str, steps: int, overrides: list[str]) -> dict[str, Any]:
     name, python, extra = env
-    cmd = [python, str(ROOT / "tools" / "bench.py"), "--rounds", "1", "--steps", str(steps),
+    cmd = [python, str(ROOT / "tools" / "bench" / "bench.py"), "--rounds", "1", "--steps", str(steps),
            "--label", f"{name}/{job}", f"job={job}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **extra},
                           capture_output=True, text=True)

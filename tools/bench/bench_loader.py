@@ -1,7 +1,7 @@
 """Loader-only throughput: tokens/s that one process's BatchLoader delivers at gpt_small's shape.
 
-    .venv/bin/python tools/bench_loader.py                       # 100M-token flat store, 20 steps
-    .venv/bin/python tools/bench_loader.py --format zarr3 --steps 10 --processes 4
+    .venv/bin/python tools/bench/bench_loader.py                       # 100M-token flat store, 20 steps
+    .venv/bin/python tools/bench/bench_loader.py --format zarr3 --steps 10 --processes 4
 
 It writes a synthetic uint16 token store (random ids below GPT-2's 50257, ``--tokens`` of them)
 into a temporary directory with the real store writer, opens it through the real ``mixture``
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for runner
 
 from runner.data.loader import BatchLoader  # noqa: E402
 from runner.data.store import write_store  # noqa: E402

@@ -2,8 +2,8 @@
 loop, in alternating rounds (each round runs both, the order flipped every round), so this shared
 machine's drift falls on both alike.
 
-    python tools/bench_maxtext.py --maxtext-python /path/to/maxtext-venv/bin/python
-    python tools/bench_maxtext.py --maxtext-python ... --rounds 4 --steps 40 --remat full --out mt.jsonl
+    python tools/bench/bench_maxtext.py --maxtext-python /path/to/maxtext-venv/bin/python
+    python tools/bench/bench_maxtext.py --maxtext-python ... --rounds 4 --steps 40 --remat full --out mt.jsonl
 
 The model (issue 32's match): a 10.9M-parameter GPT-2: width 384, 6 layers of 6 heads, MLP 1536,
 vocabulary 512, learned positions, tied embeddings, no dropout; 8 rows of 256 tokens a step,
@@ -37,8 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
 from bench import emit  # noqa: E402
 

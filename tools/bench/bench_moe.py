@@ -1,8 +1,8 @@
 """Mixture-of-experts speed, side by side in one process: the compiled train step of each
 configuration in a bare loop, in interleaved rounds (so the machine's drift falls on all alike).
 
-    .venv/bin/python tools/bench_moe.py                      # moe_tiny's dispatches against llama_tiny
-    .venv/bin/python tools/bench_moe.py --steps 20 --rounds 5 --out moe.jsonl
+    .venv/bin/python tools/bench/bench_moe.py                      # moe_tiny's dispatches against llama_tiny
+    .venv/bin/python tools/bench/bench_moe.py --steps 20 --rounds 5 --out moe.jsonl
 
 The configurations: `dense` is llama_tiny (its MLP as wide as moe_tiny's two chosen experts
 together: the same active parameters per token); `ragged`, `capacity` and `dense_experts` are

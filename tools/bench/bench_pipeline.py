@@ -2,9 +2,9 @@
 bubble formula's prediction, on fake CPU devices, side by side in one process (interleaved rounds,
 so the machine's drift falls on all alike).
 
-    .venv/bin/python tools/bench_pipeline.py                       # llama_tiny, 8 layers, 4 devices
-    .venv/bin/python tools/bench_pipeline.py --rounds 5 --out docs/bench_pipeline.jsonl
-    .venv/bin/python tools/bench_pipeline.py --memory   # temporaries with and without iteration remat
+    .venv/bin/python tools/bench/bench_pipeline.py                       # llama_tiny, 8 layers, 4 devices
+    .venv/bin/python tools/bench/bench_pipeline.py --rounds 5 --out docs/records/bench_pipeline.jsonl
+    .venv/bin/python tools/bench/bench_pipeline.py --memory   # temporaries with and without iteration remat
 
 `flat` is the unpipelined step (mesh.data=4); every other configuration splits the same 4 devices
 into stages (gpipe and circular, several microbatch counts). Each one's tokens/s is the median over

@@ -1,8 +1,8 @@
 """What a supervisor buys: a two-host run (two JAX processes on this machine) after a SIGKILL,
 restarted by Ray (hydra/launcher=ray) against the same command relaunched by hand / by a shell loop.
 
-    python tools/bench_relaunch.py recover --out docs/bench_relaunch.jsonl
-    python tools/bench_relaunch.py schedule --kill-every 20 --out docs/bench_relaunch.jsonl
+    python tools/bench/bench_relaunch.py recover --out docs/records/bench_relaunch.jsonl
+    python tools/bench/bench_relaunch.py schedule --kill-every 20 --out docs/records/bench_relaunch.jsonl
 
 `recover` trains until step --kill-at, SIGKILLs process 1 and times what follows, from outside, on
 the clock of this process: until the failure is noticed (Ray: the attempt's end; by hand: the last
@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours, imported or run
 
-from tools.bench import emit  # noqa: E402
+from bench import emit  # noqa: E402
 
 QUIET = ["logging.wandb=disabled", "logging.progress=plain", "train.log_every=1", "eval.every=0"]
 

@@ -1,6 +1,6 @@
 """Launch to first step, cold and warm: what the persistent compilation cache saves a relaunch.
 
-    python tools/bench_startup.py --job gpt_tiny --job gpt_10m --repeats 3 --out docs/bench_startup.jsonl
+    python tools/bench/bench_startup.py --job gpt_tiny --job gpt_10m --repeats 3 --out docs/records/bench_startup.jsonl
 
 Each repeat runs every job twice in fresh processes and fresh run directories: `cold` with an
 empty compilation cache (`run.compile_cache=<new dir>`), then `warm` with the cache the cold run
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def time_to_first_step(job: str, cache: Path, run_dir: Path, extra: list[str], steps: int = 2,

@@ -1,8 +1,8 @@
 """What the local checkpoint tier buys: the training stall per save, local disk against a bucket,
 and goodput under a preemption schedule, with and without the local tier.
 
-    python tools/bench_tiers.py stall --job llama_150m --steps 13 --every 4 --out docs/bench_tiers.jsonl
-    python tools/bench_tiers.py preempt --kill-every 12 --out docs/bench_tiers.jsonl
+    python tools/bench/bench_tiers.py stall --job llama_150m --steps 13 --every 4 --out docs/records/bench_tiers.jsonl
+    python tools/bench/bench_tiers.py preempt --kill-every 12 --out docs/records/bench_tiers.jsonl
 
 `stall` trains the job twice in one process tree, side by side: saving every `--every` steps to
 gs:// (a GCS emulator on localhost, fake-gcs-server, started here unless STORAGE_EMULATOR_HOST
@@ -35,10 +35,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours, imported or run
 
-from tools.bench import emit  # noqa: E402
+from bench import emit  # noqa: E402
 
 QUIET = ["eval.every=0", "logging.wandb=disabled", "logging.progress=plain", "train.log_every=1"]
 

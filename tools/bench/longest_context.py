@@ -7,9 +7,9 @@ given lengths in increasing order and stops at the first that does not fit (or d
 splash's tables past scalar memory). Each compile is one `python -m runner ... mode=compile` process; its JSON report is
 appended to --out at once, with the kind, setting and length, so a second run skips what is there.
 
-    .venv/bin/python tools/longest_context.py --out docs/bench_longest_context.jsonl \\
+    .venv/bin/python tools/bench/longest_context.py --out docs/records/bench_longest_context.jsonl \\
         --kinds ring --settings offload --lengths 4194304
-    .venv/bin/python tools/longest_context.py --table docs/bench_longest_context.jsonl   # the Markdown table
+    .venv/bin/python tools/bench/longest_context.py --table docs/records/bench_longest_context.jsonl  # the Markdown table
 
 The base is Llama 3 8B on a v5p-256, `mesh.fsdp=4 mesh.context=32`, 4 rows a step (BASE).
 """
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["job=llama3_8b", "topology=v5p-256", "mode=compile", "data.strategy=synthetic", "train.batch_size=4",
         "train.accumulate_steps=1", "eval.batch_size=4", "mesh.fsdp=4", "mesh.context=32", "logging.wandb=disabled"]
 SETTINGS = {
@@ -107,7 +107,7 @@ def table(path: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_longest_context.jsonl")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "records" / "bench_longest_context.jsonl")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--lengths", default="1048576,2097152,4194304")

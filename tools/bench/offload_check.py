@@ -2,7 +2,7 @@
 refuses it): the same losses as remat=full, step for step, and a run killed mid-training resumes
 onto them. Prints one JSON line.
 
-    python3 tools/offload_check.py topology=h100-1            # extra overrides for every run
+    python3 tools/bench/offload_check.py topology=h100-1            # extra overrides for every run
 
 Three runs through `python -m runner` (20 steps each, a checkpoint every 5): remat=full,
 remat=offload, and remat=offload killed at step 12 (RUNNER_FAULT) and launched again.

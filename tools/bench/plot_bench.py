@@ -1,8 +1,8 @@
-"""Plot tools/bench.py results: throughput (runner vs baseline) and a step-time breakdown.
+"""Plot tools/bench/bench.py results: throughput (runner vs baseline) and a step-time breakdown.
 
-    .venv/bin/python tools/plot_bench.py bench.jsonl -o docs/bench_cpu.png
+    .venv/bin/python tools/bench/plot_bench.py bench.jsonl -o docs/records/bench_cpu.png
 
-Reads the JSON lines tools/bench.py prints (or appends with --out); lines that are not JSON
+Reads the JSON lines tools/bench/bench.py prints (or appends with --out); lines that are not JSON
 objects with "bench": "train" are skipped, so a captured stdout works too. Needs matplotlib
 (``pip install -e .[bench]``).
 """
@@ -84,7 +84,7 @@ def plot(records: list[dict[str, Any]], out: str) -> None:
             handles, names = ax.get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8)
     backend = {r.get("backend", "?") for r in records}
-    fig.suptitle(f"tools/bench.py on {', '.join(sorted(backend))} ({records[0].get('cpus')} CPUs)")
+    fig.suptitle(f"tools/bench/bench.py on {', '.join(sorted(backend))} ({records[0].get('cpus')} CPUs)")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -92,12 +92,12 @@ def plot(records: list[dict[str, Any]], out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", help="files of tools/bench.py JSON lines")
+    parser.add_argument("inputs", nargs="+", help="files of tools/bench/bench.py JSON lines")
     parser.add_argument("-o", "--output", default="bench.png")
     args = parser.parse_args(argv)
     records = load(args.inputs)
     if not records:
-        print(f"error: no tools/bench.py records in {', '.join(args.inputs)}", file=sys.stderr)
+        print(f"error: no tools/bench/bench.py records in {', '.join(args.inputs)}", file=sys.stderr)
         return 2
     plot(records, args.output)
     print(args.output)
