@@ -34,15 +34,20 @@ class Recorder:
         return hook
 
 
-class Pacer:
-    """Sleeps $PACE_S seconds after every step, so a test can signal a short run mid-way however
-    fast the machine is. Changes timing only, never the numbers."""
+class HoldForStopFile:
+    """Holds the run at the end of step 5 until its stop file (train.stop_file) exists, so a test
+    can make the file mid-run however fast or slow the machine is. Changes timing only, never the
+    numbers."""
+
+    STEP = 5
 
     def __init__(self, spec) -> None:
-        self.pause = float(os.environ.get("PACE_S", "0.05"))
+        self.stop_file = spec.train.stop_file
 
     def on_step_end(self, trainer, **info) -> None:
-        time.sleep(self.pause)
+        if info.get("step") == self.STEP:
+            while not (trainer.run_dir / self.stop_file).exists():
+                time.sleep(0.05)
 
 
 class HookedTrainer(GPTTrainer):

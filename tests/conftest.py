@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -168,23 +168,42 @@ def refused_in_process(overrides: list[str], capsys: pytest.CaptureFixture, mult
     return err[0]
 
 
-def wait_for_lines(path: Path, lines: int, timeout: float = 300) -> None:
-    """Wait until a run has logged `lines` records (to signal it mid-run)."""
+def wait_for_lines(path: Path, lines: int, timeout: float = 300, procs: Sequence[Any] = ()) -> None:
+    """Wait until a run has logged `lines` records (to signal it mid-run). Fails at once when one of
+    `procs` (the processes writing them: Popen or forked copies) has ended first, and at `timeout`,
+    with each process's exit code and output (those still running killed: nothing is left behind)."""
     import time
 
-    deadline = time.time() + timeout
-    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= lines):
+    def logged() -> int:
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    deadline = time.monotonic() + timeout
+    while logged() < lines:
+        ended = [i for i, p in enumerate(procs) if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            if logged() >= lines:  # written just before it ended
+                return
+            why = (f"process {ended[0]} exited {procs[ended[0]].returncode}" if ended
+                   else f"no process ended, {timeout:.0f} s passed")
+            outputs = []
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                out, err = p.communicate(timeout=60)
+                outputs.append(f"--- process {i}, exit {p.returncode}; stdout:\n{(out or '')[-1500:]}\n"
+                               f"--- stderr:\n{(err or '')[-3000:]}")
+            pytest.fail(f"{path}: {logged()} of {lines} records when {why}\n" + "\n".join(outputs), pytrace=False)
         time.sleep(0.05)
 
 
-def start_runner_until(args: list[str], tmp_path: Path, run_dir: Path, lines: int) -> subprocess.Popen:
-    """Start `python -m runner` in the background and return once it has logged `lines` records,
-    so a test can signal it mid-run."""
-    env = runner_env(tmp_path)
-    proc = fork_server().start("module", "runner", args, tmp_path, env) or subprocess.Popen(
-        [sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+def start_runner_until(args: list[str], tmp_path: Path, run_dir: Path, lines: int, **env: str) -> subprocess.Popen:
+    """Start `python -m runner` (with `env` beside the tests' variables) in the background and
+    return once it has logged `lines` records, so a test can signal it mid-run."""
+    environ = runner_env(tmp_path, **env)
+    proc = fork_server().start("module", "runner", args, tmp_path, environ) or subprocess.Popen(
+        [sys.executable, "-m", "runner", *args], cwd=tmp_path, env=environ, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
-    wait_for_lines(run_dir / "metrics.jsonl", lines)
+    wait_for_lines(run_dir / "metrics.jsonl", lines, procs=[proc])
     return proc
 
 
@@ -223,13 +242,15 @@ def tiny() -> list[str]:
 @pytest.fixture(autouse=True)
 def _processes_only_in_e2e(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast tier (`pytest -m "not e2e"`) starts no process: a test that does (`python -m runner`,
-    several JAX processes, a shell script, an emulator) must be marked `e2e`, or it fails here."""
-    if request.node.get_closest_marker("e2e"):
+    several JAX processes, a shell script, an emulator) must say its tier, `e2e` (landing) or `deep`,
+    or it fails here."""
+    if any(request.node.get_closest_marker(tier) for tier in TIERS):
         return
     nodeid = request.node.nodeid
 
     def refuse(self: Any, args: Any, *_: Any, **__: Any) -> None:
-        raise AssertionError(f"{nodeid} starts a process ({args!r:.200}); mark it @pytest.mark.e2e")
+        raise AssertionError(f"{nodeid} starts a process ({args!r:.200}); mark it @pytest.mark.e2e (the landing "
+                             "tier: it carries a main claim) or @pytest.mark.deep (every other end-to-end proof)")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     from tests.forked import Server
@@ -270,7 +291,53 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 DEFAULT_FILE_SECONDS = 30.0
 
 
+# The two tiers (docs/tests.md): the landing tier, which the README's `pytest -q` and CI run, holds the
+# in-process tests and the end-to-end tests marked `e2e`, one proof of each main claim; the deep tier,
+# `pytest -m deep`, holds every other end-to-end proof. A test is in exactly one.
+TIERS = ("e2e", "deep")
+
+
+def deep_is_asked(markexpr: str, args: list[str]) -> bool:
+    """Whether this session runs the deep tier's tests: a `-m` expression that names `deep` (`-m deep`,
+    `-m "deep or e2e"`), or tests named one by one (`pytest tests/x.py::test_y`), which run whatever
+    their tier. Any other session (no `-m`, or `-m "not e2e"`) leaves them out."""
+    import re
+
+    return bool(re.search(r"\bdeep\b", markexpr)) or any("::" in arg for arg in args)
+
+
+def split_tiers(items: list[pytest.Item], markexpr: str, args: list[str]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """(kept, deselected): the deep tier's tests leave a session that did not ask for them. A test
+    marked with both tiers is a mistake, refused before anything runs."""
+    both = [item.nodeid for item in items if all(item.get_closest_marker(tier) for tier in TIERS)]
+    if both:
+        raise pytest.UsageError(f"{len(both)} test(s) marked both e2e and deep, e.g. {both[0]}: a test is in "
+                                "one tier; keep @pytest.mark.e2e if it carries a main claim no landing test "
+                                "carries, else @pytest.mark.deep (docs/tests.md)")
+    if deep_is_asked(markexpr, args):
+        return items, []
+    deep = [item for item in items if item.get_closest_marker("deep")]
+    return [item for item in items if not item.get_closest_marker("deep")], deep
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which tier this session runs, so a log says what its pass means."""
+    if deep_is_asked(config.option.markexpr or "", list(config.args)):
+        return f"tiers: as selected (-m {config.option.markexpr!r}; docs/tests.md)"
+    return "tiers: the landing tier (pytest -m deep runs the deep tier; docs/tests.md)"
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, deep = split_tiers(items, config.option.markexpr or "", list(config.args))
+    if deep:
+        config.hook.pytest_deselected(items=deep)
+        items[:] = kept
+    slowest_files_first(items)
+
+
+def slowest_files_first(items: list[Any]) -> None:
+    """Order `items` (in place) by their file's seconds in tests/durations.json, slowest first,
+    keeping each file's own order."""
     table = ROOT / "tests" / "durations.json"
     seconds = json.loads(table.read_text()) if table.exists() else {}
     order = {item.nodeid: i for i, item in enumerate(items)}

@@ -1,15 +1,16 @@
-"""`python -m runner` (or `python -c SCRIPT`) started as a fork of a process that has already
-imported what runner imports: the tests start about 300 such processes, and a fresh interpreter
-spends 3.5 to 4 of its 8 to 11 seconds importing jax, flax, optax, orbax, grain and hydra.
+"""`python -m runner` (or another module, such as `runner.export`, or `python -c SCRIPT`) started
+as a fork of a process that has already imported what runner imports: the tests start about 300
+such processes, and a fresh interpreter spends 3.5 to 4 of its 8 to 11 seconds importing jax,
+flax, optax, orbax, grain and hydra.
 
 One server a pytest process (`python -m tests.forked SOCKET`) imports those modules and nothing
 more: no JAX backend, no thread, no Hydra state, so a fork of it is safe and starts where a fresh
 `python -m runner` would be after its imports. A request carries the command, the working
 directory, the environment and the three standard streams (as file descriptors); the server
-forks, and the copy takes them, writes what the imports printed, runs the `runner` module as
-`__main__` (or the script), and leaves as the interpreter would (its threads joined, its exit
-handlers run, its streams flushed). The server sends back the copy's pid, then its exit code
-(-N for a signal, as `subprocess` says). The copy is a process of its own: its own devices
+forks, and the copy takes them, writes what the imports printed, runs the module (`runner`, or
+another) as `__main__` (or the script), and leaves as the interpreter would (its threads
+joined, its exit handlers run, its streams flushed). The server sends back the copy's pid, then
+its exit code (-N for a signal, as `subprocess` says). The copy is a process of its own: its own devices
 (`XLA_FLAGS` is read when its backend starts), signals, exit code and output.
 
 Only an environment the imports cannot have read differently is forked: one that differs from
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import IO, Any, Optional, Sequence
 
 # What a fresh `python -m runner` imports before its first step (runner.train.faults reads its
 # variable when asked, not on import).
@@ -50,14 +51,17 @@ RUNTIME_KEYS = {"XLA_FLAGS", "RUNNER_FAULT", "RUNNER_ATTEMPT", "JAX_COORDINATOR_
                 "JAX_PROCESS_ID", "HOOK_LOG", "HOOK_FAIL_AT", "HF_HOME", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
                 "TOKENIZERS_PARALLELISM", "ALLOW_MULTIPLE_LIBTPU_LOAD", "TF_CPP_MIN_LOG_LEVEL", "NO_COLOR",
                 "PYTEST_CURRENT_TEST", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "HOOK_FAIL_SEED", "PACE_S",
-                "KMP_DUPLICATE_LIB_OK"}
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "HOOK_FAIL_SEED",
+                "KMP_DUPLICATE_LIB_OK", "TORCHINDUCTOR_CACHE_DIR"}
 # Set in the pytest process by a library a test imports after the server started: jax's Mosaic GPU
 # module sets its MOSAIC_GPU_ paths on import (from the installed packages: the same in every process
 # of the session) and reads them for GPU kernels only; threadpoolctl and scikit-learn set
 # KMP_DUPLICATE_LIB_OK on import, read by Intel's OpenMP runtime when it loads (nothing preloaded
-# loads it). HOOK_FAIL_SEED and PACE_S, like HOOK_*, are read by tests/callback_fixture.py when a run
-# builds it. A clean-clone run before these were allowed started 77 of its 270 processes fresh.
+# loads it); torch's inductor sets TORCHINDUCTOR_CACHE_DIR (its default, the same in every process)
+# when a test's torch first asks for its cache, and reads it only in torch (nothing preloaded imports
+# torch): a session with the Hugging Face tests started 5 of 18 processes fresh for it.
+# HOOK_FAIL_SEED, like HOOK_*, is read by tests/callback_fixture.py when a run builds
+# it. A clean-clone run before these were allowed started 77 of its 270 processes fresh.
 RUNTIME_PREFIXES = ("RAY_", "WANDB_", "MOSAIC_GPU_")
 PACKET = 1 << 20
 
@@ -303,9 +307,12 @@ class Server:
     def _fresh(self, why: str) -> None:
         self.tally["fresh"][why] = self.tally["fresh"].get(why, 0) + 1
 
-    def start(self, kind: str, target: str, args: Sequence[str], cwd: Path, env: dict[str, str]) -> Optional[Forked]:
-        """A forked copy running `target` (a module, or a script's text), its stdout and stderr
-        piped to this process as text; None when this server cannot serve it."""
+    def start(self, kind: str, target: str, args: Sequence[str], cwd: Path, env: dict[str, str],
+              output: Optional[IO[Any]] = None) -> Optional[Forked]:
+        """A forked copy running `target` (`kind` "module": any module, as `python -m`; "code": a
+        script's text, as `python -c`), its stdout and stderr piped to this process as text, or
+        both written to the open file `output` (as `Popen(stdout=output, stderr=STDOUT)`); None
+        when this server cannot serve it."""
         differs = self.differs(env)
         if differs:
             self._fresh(" ".join(differs))
@@ -316,7 +323,11 @@ class Server:
         self.tally["forked"] += 1
         streams = [os.open(os.devnull, os.O_RDONLY)]
         ours: list[Any] = []
-        for _ in range(2):
+        if output is not None:
+            output.flush()
+            streams += [os.dup(output.fileno()), os.dup(output.fileno())]
+            ours = [None, None]
+        for _ in range(2 if output is None else 0):
             r, w = os.pipe()
             ours.append(os.fdopen(r, "r"))
             streams.append(w)
@@ -329,7 +340,8 @@ class Server:
         except (OSError, ValueError) as err:  # the server is gone: nothing was started
             conn.close()
             for stream in ours:
-                stream.close()
+                if stream is not None:
+                    stream.close()
             raise RuntimeError(f"the fork server at {self.path} did not start the process: {err}") from err
         finally:
             for fd in streams:

@@ -6,6 +6,9 @@ fails CI instead of a reader. Each command exits 0 unless its line ends in `# ex
 `python -m runner ...` gets tiny settings appended (a small model, a few rows), and the block's step
 counts are mapped to tiny ones in the same order (the largest `train.steps` stays the largest), so
 a block that stops early and resumes still does; `<!-- runnable as-is -->` runs the block unchanged.
+A command that bash would only exec (one `python -m` or `python -c`, nothing to expand, redirect or
+chain) is started through the fork server as the other process tests are (tests/forked.py: a copy
+exits and prints as a fresh interpreter does, 3.5-4 s sooner); any other line is run by bash.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from typing import Optional
 
 import pytest
 
-from tests.conftest import ROOT, TINY, runner_env
+from tests.conftest import ROOT, TINY, fork_server, runner_env
+from tests.forked import run
 
 MARKER = re.compile(r"^<!--\s*runnable(\s+as-is)?\s*-->\s*$")
 EXIT = re.compile(r"#\s*exit\s+(\d+)\b.*$")  # to the end of the line: `# exit 75: stopped after saving`
@@ -118,6 +124,42 @@ def shell_line(command: Command, block: Block) -> str:
     return shlex.join([*words, *tiny])
 
 
+# what bash would expand or treat as syntax outside quotes (operators, redirections, globs, braces,
+# variables, substitutions, history); inside double quotes it still expands these
+SHELL_SYNTAX = set("|&;<>()$`*?[]{}~!\\")
+IN_DOUBLE_QUOTES = set("$`\\!")
+
+
+def simple_command(line: str) -> Optional[tuple[dict[str, str], str, str, list[str]]]:
+    """`line` as (its VAR=value assignments, "module" or "code", the module or the script, the
+    arguments) when bash would run it as one `python -m MODULE ...` or `python -c SCRIPT ...`
+    whose words are the quote-removed text: nothing for bash to expand, redirect or chain. Such a
+    command is started through the fork server (a fresh interpreter when its environment cannot
+    be forked); any other line (None) is run by bash itself."""
+    quote = ""
+    for i, char in enumerate(line):
+        if quote:
+            if char == quote:
+                quote = ""
+            elif quote == '"' and char in IN_DOUBLE_QUOTES:
+                return None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):  # a comment to the end of the line
+            line = line[:i]
+            break
+        elif char in SHELL_SYNTAX:
+            return None
+    words = shlex.split(line)
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    if len(words) < 3 or words[0] != sys.executable or words[1] not in ("-m", "-c"):
+        return None
+    return env, "module" if words[1] == "-m" else "code", words[2], words[3:]
+
+
 def test_the_docs_mark_the_tour_s_commands_runnable() -> None:
     blocks = all_blocks()
     assert len(blocks) >= MIN_BLOCKS, [b.id for b in blocks]
@@ -145,13 +187,45 @@ def test_the_parser_joins_lines_reads_exit_codes_and_maps_step_counts_in_order()
         parse("<!-- runnable -->\ntext\n```bash\npython -m runner\n```", "bad.md")
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("block", all_blocks(), ids=lambda b: b.id)
+def test_only_a_command_bash_would_just_exec_is_forked() -> None:
+    python = shlex.quote(sys.executable)
+    assert simple_command(f"XLA_FLAGS=--x=4 {python} -m runner.export runs/a 'hf out' --overwrite  # its newest") == (
+        {"XLA_FLAGS": "--x=4"}, "module", "runner.export", ["runs/a", "hf out", "--overwrite"])
+    assert simple_command(shlex.join([sys.executable, "-m", "runner", "eval.evaluators=[heldout,{prompts:['def ']}]",
+                                      "a#b"])) == ({}, "module", "runner", ["eval.evaluators=[heldout,{prompts:['def ']}]",
+                                                                            "a#b"])
+    assert simple_command(f"{python} -c 'print(1)' x") == ({}, "code", "print(1)", ["x"])
+    for shell in (f"{python} -m runner && echo done", f"{python} -m runner > out.txt", f"{python} -m runner $HOME",
+                  f'{python} -m runner "run.dir=$HOME"', f"{python} -m runner runs/*", f"{python} -m runner a{{b,c}}",
+                  f"{python} -m runner | tee log", f"{python} tools/plot.py", f"{python} -u -m runner",
+                  f"{python} -m runner ~/run", f"{python} -m runner (x)"):
+        assert simple_command(shell) is None, shell
+
+
+def tiered(blocks: list[Block]) -> list[Any]:
+    """The README tour's blocks in the landing tier (`e2e`: the first thing a user runs), every other
+    page's in the deep tier."""
+    return [pytest.param(b, id=b.id, marks=pytest.mark.e2e if b.page == "README.md" else pytest.mark.deep)
+            for b in blocks]
+
+
+def test_the_readme_tour_lands_and_the_other_pages_go_deep() -> None:
+    marks = {param.id: param.marks[0].name for param in tiered(all_blocks())}
+    assert "e2e" in marks.values() and "deep" in marks.values()
+    assert all((name == "e2e") == id_.startswith("README.md:") for id_, name in marks.items()), marks
+
+
+@pytest.mark.parametrize("block", tiered(all_blocks()))
 def test_a_runnable_block_runs_and_exits_as_the_page_says(block: Block, tmp_path: Path) -> None:
     for command in block.commands:
         line = shell_line(command, block)
-        done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=runner_env(tmp_path), capture_output=True,
-                              text=True, timeout=600)
+        simple = simple_command(line)
+        if simple is None:
+            done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=runner_env(tmp_path), capture_output=True,
+                                  text=True, timeout=600)
+        else:  # what bash would exec, forked (tests/forked.py): the same exit code and output
+            env, kind, target, args = simple
+            done = run(fork_server(), kind, target, args, tmp_path, {**runner_env(tmp_path), **env}, 600)
         assert done.returncode == command.exit_code, (
             f"{block.id}: `{command.text}` exited {done.returncode}, the page says {command.exit_code}\n"
             f"ran: {line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -31,8 +30,9 @@ if what == "exit":
     sys.exit(7)
 if what == "message":
     sys.exit("a message")
-if what == "wait":
+if what == "wait":  # until signalled; one that is not writes `woke` after a minute
     time.sleep(60)
+    open("woke", "w").close()
 """
 
 
@@ -70,10 +70,11 @@ def test_a_copy_is_signalled_waited_for_and_timed_out_as_a_process_is(tmp_path) 
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == -sig and "atexit ran" not in out  # killed: no exit handler runs
-    started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run(server, "code", SCRIPT, ["wait"], tmp_path, env, 2)
-    assert time.monotonic() - started < 30  # killed at its timeout, not left to finish
+    # `run` raises once the copy has ended (the server reports its exit): killed at its timeout,
+    # not left to finish its sleep
+    assert not (tmp_path / "woke").exists()
 
 
 def test_runner_s_refusal_is_the_fresh_interpreter_s_and_a_changed_import_setting_is_not_forked(tmp_path) -> None:
@@ -110,3 +111,35 @@ def test_runner_s_refusal_is_the_fresh_interpreter_s_and_a_changed_import_settin
     x64 = run(server, "code", "import jax.numpy as jnp; print(jnp.zeros(1).dtype)", [], tmp_path,
               {**server.env, "JAX_ENABLE_X64": "1"}, 120)
     assert x64.stdout.strip() == "float64"  # a fresh interpreter read it
+
+
+NAMES = "import sys; print(__name__, sys.argv, repr(sys.path[0])); print('to stderr', file=sys.stderr); sys.exit(3)"
+
+
+def test_another_module_and_a_script_written_to_a_file_are_the_fresh_interpreter_s(tmp_path) -> None:
+    """`python -m runner.export` (a module other than runner: its own `__main__`, argv[0] and
+    refusal) and a `python -c` script whose output goes to a file (as a driver's log), forked and
+    fresh: the same exit code and output."""
+    server = fork_server()
+    args = ["nowhere", "hf"]
+    forked = run(server, "module", "runner.export", args, tmp_path, server.env, 300)
+    fresh = subprocess.run([sys.executable, "-m", "runner.export", *args], cwd=tmp_path, env=server.env,
+                           capture_output=True, text=True, timeout=300)
+    assert forked.returncode == fresh.returncode == 2, fresh.stderr[-2000:]
+    assert forked.stdout == fresh.stdout and forked.stderr == fresh.stderr and "nowhere" in fresh.stderr
+    assert not (tmp_path / "hf").exists()
+
+    logs = []
+    for name in ("forked", "fresh"):
+        with (tmp_path / f"{name}.log").open("w") as log:
+            log.write("before\n")  # what the caller wrote first stays first (start flushes it; Popen does not)
+            if name == "forked":
+                proc = server.start("code", NAMES, ["x"], tmp_path, server.env, output=log)
+            else:
+                log.flush()
+                proc = subprocess.Popen([sys.executable, "-c", NAMES, "x"], cwd=tmp_path, env=server.env, stdout=log,
+                                        stderr=subprocess.STDOUT, text=True)
+            assert proc is not None and proc.stdout is None
+            assert proc.wait(timeout=120) == 3
+        logs.append((tmp_path / f"{name}.log").read_text())
+    assert logs[0] == logs[1] == "before\n__main__ ['-c', 'x'] ''\nto stderr\n", logs

@@ -132,13 +132,13 @@ def test_no_function_in_the_spec_module_is_longer_than_60_lines() -> None:
     assert not long
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
     (["train.stepz=3"], "train.stepz"),  # found by Hydra's composition
     (["optimizer.lr=0"], "optimizer.lr"),  # found when the spec is built
     (["--cfg", "job", "train.stepz=3"], "runner has no setting of that name"),  # --cfg: runner's paragraph
     (["--cfg", "job", "optimizer.b1=1.5"], "optimizer.b1"),  # --cfg checks the spec as a run does
 ])
+@pytest.mark.e2e
 def test_cli_user_errors_exit_2_without_traceback(tmp_path, args: list[str], needle: str) -> None:
     result = run_runner(args, tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr

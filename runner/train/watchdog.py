@@ -107,16 +107,21 @@ class Peers:
                     self.client.key_value_set(f"{GONE_PREFIX}{self.index}", "1")
             leave(code)
             return
+        from jax.errors import JaxRuntimeError
+
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if len(self.client.key_value_dir_get(GONE_PREFIX)) >= self.count - 1:
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    gone = len(self.client.key_value_dir_get(GONE_PREFIX))
+                except JaxRuntimeError:  # the client's own error (the service failing): stop waiting
+                    break
+                if gone >= self.count - 1:
                     time.sleep(GONE_GRACE_S)
                     break
-            except Exception:
-                break
-            time.sleep(0.1)
-        leave(code)
+                time.sleep(0.1)
+        finally:  # leaves with `code` whatever the wait met; any other error surfaces if `leave` returns
+            leave(code)
 
 
 class Watchdog(Component):

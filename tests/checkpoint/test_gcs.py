@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,11 +16,11 @@ import numpy as np
 import pytest
 
 from runner.checkpoint import storage
-from tests.conftest import TINY, read_metrics, run_runner, runner_env
+from tests.conftest import TINY, fork_server, read_metrics, run_runner, runner_env
+from tests.forked import run as forked
 from tests.train.test_restore import BASE, STEPS, assert_tensorboard_matches_metrics, goodput_of, reference  # noqa: F401 (reference: the same run on a local disk, a fixture)
 from tests.train.test_restore import assert_same_run as assert_same_as_reference
 
-pytestmark = pytest.mark.e2e  # every test here starts a process
 
 
 class Emulator:
@@ -64,7 +63,7 @@ class Emulator:
 def gcs(tmp_path_factory) -> Iterator[Emulator]:
     """fake-gcs-server on a free port, objects on disk, its log in a file (the wheel's own wrapper
     pipes the log and never reads it: the server blocks once the pipe is full)."""
-    from tools.bench_tiers import start_emulator
+    from tools.bench.bench_tiers import start_emulator
 
     server, url = start_emulator(tmp_path_factory.mktemp("gcs"))
     saved = dict(os.environ)
@@ -83,6 +82,7 @@ def run(args: list[str], tmp_path: Path, gcs: Emulator, **env: str) -> subproces
     return run_runner(args, tmp_path, timeout=300, **gcs.env(), **env)
 
 
+@pytest.mark.e2e
 def test_a_run_on_gs_survives_sigkill_and_resumes_bitwise(tmp_path, gcs, reference) -> None:
     """Killed in the middle of the asynchronous save of 16 (committed or not, never half), resumed
     on the bucket. (Killed between checkpoints on gs://: the flaky-bucket test below.)"""
@@ -107,6 +107,7 @@ def test_a_run_on_gs_survives_sigkill_and_resumes_bitwise(tmp_path, gcs, referen
     assert "run:" in (local / "spec.yaml").read_text()
 
 
+@pytest.mark.deep
 def test_damaged_checkpoint_in_a_bucket_is_set_aside_and_recomputed(tmp_path, gcs, reference) -> None:
     url = f"gs://{gcs.bucket()}/moved"
     gcs.upload(reference, url)  # a run directory copied into a bucket continues there
@@ -126,6 +127,7 @@ def test_damaged_checkpoint_in_a_bucket_is_set_aside_and_recomputed(tmp_path, gc
     assert_same_as_reference(gcs.download(url, tmp_path / "copy"), reference)
 
 
+@pytest.mark.deep
 def test_eval_warm_start_stop_file_and_compile_cache_on_gs(tmp_path, gcs, reference) -> None:
     bucket = gcs.bucket()
     source = f"gs://{bucket}/source"
@@ -135,8 +137,8 @@ def test_eval_warm_start_stop_file_and_compile_cache_on_gs(tmp_path, gcs, refere
     results = json.loads(gcs.read(f"{source}/checkpoints/{STEPS}/eval_results.json"))
     assert results["step"] == STEPS and results["checkpoint"] == f"{source}/checkpoints/{STEPS}"
     assert "eval/stdlib/loss" in results["metrics"]
-    exported = subprocess.run([sys.executable, "-m", "runner.export", source, str(tmp_path / "hf")], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300, env=runner_env(tmp_path, **gcs.env()))
+    exported = forked(fork_server(), "module", "runner.export", [source, str(tmp_path / "hf")], tmp_path,
+                      runner_env(tmp_path, **gcs.env()), 300)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert f"Exported step {STEPS} as GPT2LMHeadModel" in exported.stdout
     assert (tmp_path / "hf" / "model.safetensors").is_file()
@@ -159,6 +161,7 @@ def test_eval_warm_start_stop_file_and_compile_cache_on_gs(tmp_path, gcs, refere
     assert first_eval["eval/stdlib/loss"] < fresh["eval/stdlib/loss"] - 1.0  # trained weights at step 0
 
 
+@pytest.mark.deep
 def test_a_sweep_under_a_gs_root(tmp_path, gcs) -> None:
     root = f"gs://{gcs.bucket()}/root"
     args = ["-m", *TINY, "eval.every=0", f"run.root={root}", "run.sweep=lr", "optimizer.lr=1e-3,1e-2",
@@ -173,6 +176,7 @@ def test_a_sweep_under_a_gs_root(tmp_path, gcs) -> None:
     assert not list(tmp_path.glob("gs*")) and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.deep
 def test_two_processes_share_only_a_gs_run_dir(tmp_path, gcs) -> None:
     from tests.train.test_multiprocess import BASE as MP_BASE
     from tests.train.test_multiprocess import STEPS as MP_STEPS
@@ -189,6 +193,7 @@ def test_two_processes_share_only_a_gs_run_dir(tmp_path, gcs) -> None:
     assert resumed.returncode == 0 and f"resumed from step {MP_STEPS} " in resumed.stdout, resumed.stderr[-3000:]
 
 
+@pytest.mark.deep
 def test_a_zarr3_store_prepared_to_gs_trains(tmp_path, gcs) -> None:
     rng = np.random.default_rng(0)
     texts = tmp_path / "texts"
@@ -196,9 +201,8 @@ def test_a_zarr3_store_prepared_to_gs_trains(tmp_path, gcs) -> None:
     for i in range(20):
         (texts / f"{i}.txt").write_text(" ".join(rng.choice(["data", "token", "loss", "step"], 200)))
     store = f"gs://{gcs.bucket()}/stores/words"
-    prepared = subprocess.run([sys.executable, "-m", "runner.data.prepare", str(texts / "*.txt"), "--output", store,
-                               "--format", "zarr3", "--val-fraction", "0.2"], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300, env=runner_env(tmp_path, **gcs.env()))
+    prepared = forked(fork_server(), "module", "runner.data.prepare", [str(texts / "*.txt"), "--output", store,
+                      "--format", "zarr3", "--val-fraction", "0.2"], tmp_path, runner_env(tmp_path, **gcs.env()), 300)
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     assert json.loads(gcs.read(f"{store}/meta.json"))["format"] == "runner-zarr3-v1"
     trained = run([*TINY, "train.steps=3", "eval.every=0", f"data.sources=[{{path: '{store}'}}]", "run.dir=run"],
@@ -210,6 +214,7 @@ def test_a_zarr3_store_prepared_to_gs_trains(tmp_path, gcs) -> None:
 # ----------------------------------------------------------------------------- errors
 
 
+@pytest.mark.deep
 def test_a_missing_bucket_is_one_paragraph_before_any_device_work(tmp_path, gcs) -> None:
     url = f"gs://no-such-bucket-{uuid.uuid4().hex[:6]}/run"
     result = run([*TINY, f"run.dir={url}"], tmp_path, gcs)
@@ -217,15 +222,6 @@ def test_a_missing_bucket_is_one_paragraph_before_any_device_work(tmp_path, gcs)
     err = result.stderr.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0] and url in err[0] and "Fix:" in err[0]
     assert "step" not in result.stdout and not gcs.exists(url.split("/")[2])  # no bucket made on the way
-
-
-def test_no_credentials_is_one_paragraph(tmp_path) -> None:
-    env = {"GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "missing.json"), "NO_GCE_CHECK": "True",
-           "HOME": str(tmp_path), "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"), storage.EMULATOR: ""}
-    result = run_runner([*TINY, "run.dir=gs://some-bucket/run"], tmp_path, **env)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "no Google Cloud credentials" in result.stderr and "gcloud auth application-default login" in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 class _DeniedFS:
@@ -252,6 +248,7 @@ class _ObjectAdminFS(_DeniedFS):
         assert path == self.written
 
 
+@pytest.mark.deep
 def test_permission_denied_is_one_paragraph(monkeypatch, gcs) -> None:
     from runner.errors import UserError
 
@@ -269,6 +266,7 @@ def test_permission_denied_is_one_paragraph(monkeypatch, gcs) -> None:
 # ----------------------------------------------------------------------------- a flaky bucket
 
 
+@pytest.mark.deep
 def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_bitwise(tmp_path, gcs,
                                                                                        reference) -> None:
     """Every request to the bucket passes a proxy that answers 503 or 429 to 5% of them and holds
@@ -293,6 +291,7 @@ def test_a_flaky_bucket_is_retried_through_saves_restores_and_metrics_and_ends_b
 @pytest.mark.parametrize("down_for, mesh, stop", [((0, 1), ["mesh.data=2", "mesh.fsdp=2"], 8),
                                                    ((1,), ["mesh.data=1", "mesh.fsdp=4"], 16)],
                          ids=["every-process-data2-fsdp2", "one-process-fsdp4"])
+@pytest.mark.deep
 def test_a_bucket_that_stays_down_stops_every_process_with_75_after_keeping_the_local_tier(
         tmp_path, gcs, down_for, mesh, stop) -> None:
     """Two processes x two devices; durable saves at 8 and 16, local saves every 2 steps. The

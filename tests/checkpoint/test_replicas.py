@@ -4,13 +4,11 @@ replica can rebuild, and a rebuild that gives every device a holder's exact bits
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, xla_flags
+from tests.conftest import ROOT, fork_server, runner_env
+from tests.forked import run
 
 _SCRIPT = r"""
 import json
@@ -65,12 +63,9 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.e2e
-def test_replicas_rebuild_every_shard_bit_exact_and_name_what_they_cannot() -> None:
-    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+@pytest.mark.deep
+def test_replicas_rebuild_every_shard_bit_exact_and_name_what_they_cannot(tmp_path) -> None:
+    proc = run(fork_server(), "code", _SCRIPT, [], ROOT, runner_env(tmp_path, 4), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["unreplicated"] == ["['full']"]  # split over data too: the other replica's half is lost

@@ -361,7 +361,7 @@ def assert_same_as_training(record: dict[str, Any], evals: dict[int, dict[str, A
     assert record["texts"] == {k: v for k, v in trained.items() if isinstance(v, str)}
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_mode_eval_on_four_devices_gives_the_training_numbers(trained) -> None:
     # Parameters only (the model comes from the checkpoint, not TINY); a stale file is replaced.
     tmp, evals = trained
@@ -377,7 +377,7 @@ def test_mode_eval_on_four_devices_gives_the_training_numbers(trained) -> None:
     assert "Evaluated" in again.stdout and not (tmp / "run" / "checkpoints" / "5").exists()
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_mode_eval_in_two_processes_gives_the_training_numbers(trained) -> None:
     from tests.train.test_multiprocess import finish, launch
 
@@ -394,11 +394,11 @@ def test_mode_eval_in_two_processes_gives_the_training_numbers(trained) -> None:
     assert "Evaluated" in outcomes[0][1] and "Evaluated" not in outcomes[1][1]  # one writer
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
     (["mode=eval", "run.dir=nowhere"], "mode=eval found no checkpoint"),
     (["eval.evaluators=[{name:multiple_choice,path:bad.jsonl}]"], "bad.jsonl:2"),
 ])
+@pytest.mark.deep
 def test_eval_user_errors_exit_2_without_traceback(tmp_path: Path, args: list[str], needle: str) -> None:
     (tmp_path / "bad.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "gold": 0}\n{"context": \n')
     result = run_runner([*TINY, *args], tmp_path, timeout=300)

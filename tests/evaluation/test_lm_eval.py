@@ -120,7 +120,7 @@ def monkeypatch_module():
         yield mp
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_lm_eval_in_the_loop_equals_runners_multiple_choice(trained: Path) -> None:
     evals = [r for r in read_metrics(trained / "run") if "eval/mc/acc" in r]
     assert [r["step"] for r in evals] == [0, 15, 30]
@@ -130,7 +130,7 @@ def test_lm_eval_in_the_loop_equals_runners_multiple_choice(trained: Path) -> No
     assert len({(r["eval/mc/acc"], r["eval/mc/acc_norm"]) for r in evals}) > 1, "training changed nothing"
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_runner_and_lm_eval_score_the_same_choices_alike(model: Any, trained: Path) -> None:
     # One forward path (runner.evaluation.scoring) behind both, and lm-eval's own tokenization
     # rules: the per-choice log-likelihoods agree, so acc and acc_norm must.
@@ -157,7 +157,7 @@ def test_runner_and_lm_eval_score_the_same_choices_alike(model: Any, trained: Pa
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_generation_and_rolling_loglikelihood_match_runners_own(model: Any) -> None:
     # generate_until: the same greedy text as runner's `generate` evaluator.
     prompts = ["def ", "import", "The cat"]
@@ -187,7 +187,7 @@ def test_generation_and_rolling_loglikelihood_match_runners_own(model: Any) -> N
     assert math.isclose(got[0], by_hand, rel_tol=1e-5)
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_lm_evals_command_line_scores_a_runner_checkpoint(trained: Path) -> None:
     # On 2 devices: the same numbers as the 1-device run's own evaluation.
     out = trained / "lm_eval_out"
@@ -214,7 +214,7 @@ def test_lm_evals_command_line_scores_a_runner_checkpoint(trained: Path) -> None
     assert record["metrics"]["eval/harness/mini_mc/acc_norm"] == results["mini_mc"]["acc_norm,none"]
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_lm_eval_mistakes_are_one_paragraph(trained: Path, model: Any, capsys: Any) -> None:
     # A bad checkpoint through lm-eval's command line: runner's paragraph, exit 2, no traceback.
     done = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "runner", "--model_args",
@@ -293,7 +293,7 @@ def test_encode_pair_is_lm_evals_rule(context: str, continuation: str) -> None:
     assert encode_pair(merging_encode, context, continuation, 0) == expected
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_lm_eval_finds_runner_and_keeps_its_own_models(tmp_path: Path) -> None:
     # A fresh interpreter: the installed runner-lm-eval.pth registered "runner" lazily, and
     # lm-eval's built-in models are all still there.
@@ -306,7 +306,7 @@ def test_lm_eval_finds_runner_and_keeps_its_own_models(tmp_path: Path) -> None:
     assert done.stdout.split() == ["runner.main.lm_eval", "DummyLM"]
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_a_built_wheel_carries_the_lm_eval_hook(tmp_path: Path) -> None:
     # pip install . (the Docker image) builds a wheel: the .pth and its module must be at its root.
     src = tmp_path / "src"

@@ -1,6 +1,6 @@
 """Every name a registry offers trains through `python -m runner`, on one device and on a mesh
-with fsdp and tensor axes; every optimizer survives a SIGKILL bit for bit and resumes on another
-mesh.
+with fsdp and tensor axes; every optimizer resumes bit for bit from a run cut short at a checkpoint
+(one of them by a real SIGKILL, the others from a copy cut to the same state) and on another mesh.
 
 The names come from the registries themselves, so a new optimizer, schedule, dataset strategy
 or evaluator is covered without touching this file. An entry that can't run on its name alone
@@ -13,6 +13,7 @@ of them evaluate one run together.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -101,8 +102,8 @@ def swept(tmp_path_factory):
     return get
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("key,devices", [(key, devices) for key in sorted(REGISTRIES) for devices in DEVICES[key]])
+@pytest.mark.deep
 def test_every_registered_name_trains(key: str, devices: int, swept) -> None:
     tmp_path, members = swept(key, devices)
     evaluators = len(REGISTRIES["eval.evaluators"].names()) if key == "eval.evaluators" else 1
@@ -124,17 +125,29 @@ def test_every_optimizer_and_schedule_has_its_config_group() -> None:
             assert yaml.safe_load(path.read_text())["name"] == name
 
 
+KILLED = OPTIMIZERS.names()[0]  # the one optimizer whose run is really killed
+
+
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> tuple[Path, str, str]:
-    """Every optimizer's run killed at step 3 on the (1, 2, 2) mesh (a process each); then one sweep
-    resumes them all there to the end, and another continues them all on one device for 2 more
-    steps. The directory, and the two sweeps' outputs."""
+def resumed(tmp_path_factory, swept) -> tuple[Path, str, str]:
+    """Every optimizer's run stopped at step 3 on the (1, 2, 2) mesh, as a SIGKILL leaves it: the
+    checkpoint of step 2 committed, nothing of 4. One run (KILLED's) is killed there for real; the
+    others are their uninterrupted runs (the sweep's) copied with the checkpoints after step 2
+    deleted, the state a kill at step 3 leaves (the logged steps past the checkpoint are dropped by
+    the resume in both cases), which spares a process each. Then one sweep resumes them all there
+    to the end, and another continues them all on one device for 2 more steps. The directory, and
+    the two sweeps' outputs."""
     tmp = tmp_path_factory.mktemp("resumed")
     names = OPTIMIZERS.names()
+    killed = run_runner([*SMALL, *MESHES[4], f"optimizer={KILLED}", f"run.dir=killed/{KILLED}"], tmp, devices=4,
+                        RUNNER_FAULT="kill_at_step:3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(int(c.name) for c in (tmp / "killed" / KILLED / "checkpoints").iterdir() if c.name.isdigit()) == [2]
     for name in names:
-        killed = run_runner([*SMALL, *MESHES[4], f"optimizer={name}", f"run.dir=killed/{name}"], tmp, devices=4,
-                            RUNNER_FAULT="kill_at_step:3")
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        if name != KILLED:
+            cut = shutil.copytree(uninterrupted(swept, name), tmp / "killed" / name)
+            for step in (c for c in (cut / "checkpoints").iterdir() if c.name.isdigit() and int(c.name) > 2):
+                shutil.rmtree(step)
     every = [f"optimizer={','.join(names)}", "run.dir=killed/${optimizer.name}"]
     again = run_runner(["-m", *SMALL, *MESHES[4], *every, "run.sweep=again"], tmp, devices=4)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -143,12 +156,17 @@ def resumed(tmp_path_factory) -> tuple[Path, str, str]:
     return tmp, again.stdout, longer.stdout
 
 
-@pytest.mark.e2e
+def uninterrupted(swept, name: str) -> Path:
+    """Optimizer `name`'s run in the uninterrupted sweep on the (1, 2, 2) mesh."""
+    swept_dir, members = swept("optimizer", 4)
+    return next(swept_dir / m["run_dir"] for m in members
+                if yaml.safe_load((swept_dir / m["run_dir"] / "spec.yaml").read_text())["optimizer"]["name"] == name)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS.names())
+@pytest.mark.deep
 def test_every_optimizer_resumes_exactly_after_sigkill_and_on_another_mesh(name: str, swept, resumed) -> None:
-    swept_dir, members = swept("optimizer", 4)  # the uninterrupted runs
-    reference = next(swept_dir / m["run_dir"] for m in members
-                     if yaml.safe_load((swept_dir / m["run_dir"] / "spec.yaml").read_text())["optimizer"]["name"] == name)
+    reference = uninterrupted(swept, name)
     tmp, again, longer = resumed
     run = tmp / "killed" / name
     assert f"resumed from step 2 ({run / 'checkpoints'})" in again
@@ -162,7 +180,7 @@ def test_every_optimizer_resumes_exactly_after_sigkill_and_on_another_mesh(name:
     assert np.isfinite([r["loss"] for r in read_metrics(run) if r["step"] == STEPS + 2 and "loss" in r][0])
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_an_optimizer_that_needs_matrices_on_a_model_without_any_is_a_config_error(tmp_path: Path) -> None:
     result = run_runner([*SMALL, "optimizer=muon", "job.trainer=tests.job_fixture:UnigramTrainer"], tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]

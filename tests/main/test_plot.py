@@ -10,7 +10,7 @@ import pytest
 from runner.main.plot import load_runs
 from tests.conftest import TINY, run_runner, runner_env
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_plot_a_sweep_and_runs(tmp_path) -> None:
     swept = run_runner(["-m", *TINY, "train.steps=4", "eval.every=2", "run.sweep=lr", "optimizer.lr=1e-3,0.0123456789012345"],
                        tmp_path)

@@ -1,5 +1,6 @@
-"""hydra/launcher=ray: runs on a local Ray cluster (started by the command, two hosts of two CPU
-devices each), restarted by Ray Train when an attempt fails, resumed by runner's restore."""
+"""hydra/launcher=ray: runs on a local Ray cluster (two hosts of two CPU devices each; one cluster
+this module starts and its runs join, where a test is not about starting one), restarted by Ray
+Train when an attempt fails, resumed by runner's restore."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -25,12 +27,80 @@ def on_ray(args: list[str], tmp_path: Path, timeout: float = 600, **env: str) ->
                runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", **env), timeout)
 
 
+class SharedCluster:
+    """One local Ray cluster (a head of 2 CPUs: two hosts of one) for the runs here that are not
+    about starting one: each command joins it (hydra.launcher.address), where starting a cluster of
+    its own (address=local) would cost one per command. Started when first asked for; stopped
+    before any test here that does not ask for it (`_only_where_asked`), so that a test of no
+    cluster (address=auto joins any on this machine) or of a cluster of its own runs without it.
+    (A command that joins a cluster keeps Train's placement-group cleaner, which asks the dashboard
+    this one lacks (ray[train] has no dashboard) and prints its failure: a test that asserts no
+    traceback starts its own cluster.)"""
+
+    def __init__(self) -> None:
+        self.cluster: Any = None
+
+    def address(self) -> str:
+        if self.cluster is None:
+            import ray
+            from ray.cluster_utils import Cluster
+
+            # its nodes start its workers, and so the hosts' runner processes, with this environment:
+            # the tests' (the session's compile cache, two CPU devices), Ray's as address=local sets it
+            env = runner_env(Path.cwd(), 2, RAY_AUTH_MODE="disabled", RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0",
+                             RAY_TRAIN_ENABLE_PRINT_PATCH="0")
+            with pytest.MonkeyPatch.context() as mp:
+                for key, value in env.items():
+                    mp.setenv(key, value)
+                self.cluster = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 2, "object_store_memory": 100 * 2**20, "include_dashboard": False})
+            # Cluster names itself the machine's current cluster, which a bare ray.init() (address=local
+            # elsewhere in the session) would join: this one is reached by its address alone
+            ray._common.utils.reset_ray_address()
+        return self.cluster.address
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+
+
+SHARED = SharedCluster()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[SharedCluster]:
+    yield SHARED
+    SHARED.stop()
+
+
+@pytest.fixture(autouse=True)
+def _only_where_asked(request: pytest.FixtureRequest) -> None:
+    """The shared cluster is down during every test that does not use it."""
+    if "ray_cluster" not in request.fixturenames:
+        SHARED.stop()
+
+
+def on_cluster(cluster: SharedCluster, args: list[str], tmp_path: Path, devices: int = 2,
+               **env: str) -> subprocess.CompletedProcess:
+    """`python -m runner hydra/launcher=ray ARGS` on the shared cluster. Its hosts' runner processes
+    have the cluster's environment: their devices and a test's fault reach them through
+    hydra.launcher.env."""
+    hosts_env = ", ".join(f'{key}: "{value}"' for key, value in {"XLA_FLAGS": xla_flags(devices), **env}.items())
+    return run(fork_server(), "module", "runner",
+               [*args, f"hydra.launcher.address={cluster.address()}", f"hydra.launcher.env={{{hosts_env}}}"],
+               tmp_path, runner_env(tmp_path, devices, RAY_AUTH_MODE="disabled",
+                                    RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"), 600)
+
+
 @pytest.mark.e2e
-def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(tmp_path, two_processes) -> None:
+def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(tmp_path, two_processes,
+                                                                              ray_cluster) -> None:
     """SIGKILL of one host's process mid-run (attempt 1), then of process 0 while the save of step 8
     is written (attempt 2): Ray restarts the group each time (fresh processes, a fresh
     coordinator), runner resumes, and the run ends as the uninterrupted one."""
-    result = on_ray([*ARGS, "run.dir=run"], tmp_path, RUNNER_FAULT="kill_at_step:6@1#1,kill_after_save:8@0#2")
+    result = on_cluster(ray_cluster, [*RAY, *ARGS, "run.dir=run"], tmp_path,
+                        RUNNER_FAULT="kill_at_step:6@1#1,kill_after_save:8@0#2")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "ray: attempt 1 started on 2 hosts" in out
@@ -53,7 +123,20 @@ def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(t
         assert {r["goodput/recomputed_steps"] for r in second} == {1.0}
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
+def test_every_sweep_member_is_a_ray_job_and_the_summary_is_todays(tmp_path, ray_cluster) -> None:
+    sweep = on_cluster(ray_cluster, ["-m", "hydra/launcher=ray", "hydra.launcher.object_store_mb=100", *TINY,
+                                     "train.steps=3", "eval.every=0", "optimizer.lr=1e-2,2e-2", "run.root=runs"],
+                       tmp_path, devices=1)
+    assert sweep.returncode == 0, (sweep.stdout + sweep.stderr)[-3000:]
+    assert sweep.stdout.count("ray: finished after 1 attempt (0 restarts)") == 2
+    assert ": 2 members, 0 failed" in sweep.stdout
+    members = sorted(p.parent for p in (tmp_path / "runs" / "sweeps").rglob("metrics.jsonl"))
+    assert len(set(members)) == 2  # each member its own directory under the sweep
+    assert all(max(r["step"] for r in read_metrics(p)) == 3 for p in members)
+
+
+@pytest.mark.deep
 def test_what_a_rerun_cannot_fix_is_not_retried_and_restarts_are_bounded(tmp_path) -> None:
     # a worker that exits 2 (the warm start it is told to read does not exist): one attempt, runner's paragraph
     bad = on_ray([*ARGS, "run.dir=bad", "run.init_from=missing-run", "hydra.launcher.max_restarts=5"], tmp_path)
@@ -72,22 +155,30 @@ def test_what_a_rerun_cannot_fix_is_not_retried_and_restarts_are_bounded(tmp_pat
     assert last.startswith("error: the last attempt ended: process 1 exited killed by SIGKILL"), last
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_no_ray_cluster_at_the_address_is_one_paragraph(tmp_path) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = on_ray([*TINY, "run.dir=r", f"hydra.launcher.address=127.0.0.1:{port}"], tmp_path, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.count("error: ") == 1 and "no Ray cluster answers there" in result.stderr
-    assert f"ray start --head --port={port}" in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "r").exists()
+    """Ray finds no instance to join (address=auto): exit 2, one paragraph, nothing written. (A
+    HOST:PORT nobody answers at is refused before Ray starts: the in-process test below.)"""
     joined = on_ray([*TINY, "run.dir=r", "hydra.launcher.address=auto"], tmp_path, timeout=120, RAY_ADDRESS="")
     assert joined.returncode == 2 and joined.stderr.count("error: ") == 1, joined.stderr[-2000:]
     assert "Ray could not start or join a cluster (Could not find any running Ray instance" in joined.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_host_and_port_no_ray_cluster_answers_at_is_refused_before_ray_starts() -> None:
+    """check_cluster, which the driver runs before it imports Ray: its UserError is the command's
+    exit-2 paragraph (the address=auto case above shows that end to end)."""
+    import socket
+
+    from runner.errors import UserError
+    from runner.main.ray_launcher import RaySettings, check_cluster
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UserError) as err:
+        check_cluster(RaySettings(address=f"127.0.0.1:{port}"))
+    assert "no Ray cluster answers there" in str(err.value) and f"ray start --head --port={port}" in str(err.value)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -197,20 +288,6 @@ def test_the_hook_is_named_to_ray_unless_a_submitted_job_has_its_own(monkeypatch
     assert setup_hook() == {"worker_process_setup_hook": "runner.main.ray_logs.one_line_warnings"}
 
 
-@pytest.mark.e2e
-def test_every_sweep_member_is_a_ray_job_and_the_summary_is_todays(tmp_path) -> None:
-    sweep = run(fork_server(), "module", "runner",
-                ["-m", "hydra/launcher=ray", "hydra.launcher.object_store_mb=100", *TINY, "train.steps=3",
-                 "eval.every=0", "optimizer.lr=1e-2,2e-2", "run.root=runs"],
-                tmp_path, runner_env(tmp_path, 1, RAY_AUTH_MODE="disabled"), 600)
-    assert sweep.returncode == 0, (sweep.stdout + sweep.stderr)[-3000:]
-    assert sweep.stdout.count("ray: finished after 1 attempt (0 restarts)") == 2
-    assert ": 2 members, 0 failed" in sweep.stdout
-    members = sorted(p.parent for p in (tmp_path / "runs" / "sweeps").rglob("metrics.jsonl"))
-    assert len(set(members)) == 2  # each member its own directory under the sweep
-    assert all(max(r["step"] for r in read_metrics(p)) == 3 for p in members)
-
-
 ELASTIC = [*BASE, "logging.progress=plain"]  # the shared two-process run's, less its watchdog
 
 
@@ -227,33 +304,40 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: 
     raise AssertionError(f"timed out waiting for {what}: {log.read_text()[-4000:]}")
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_elastic_goes_on_with_the_hosts_left_and_grows_back(tmp_path, monkeypatch, two_processes) -> None:
     """A Ray cluster of two nodes (this process starts it); one node is taken away for good mid-run:
     the run goes on on the other, the data axis halved and the accumulation doubled; when a node
     returns, Ray stops the one-host group (runner saves on SIGTERM) and the run ends on two. Every
     step's loss is within float32 tolerance of an uninterrupted two-process run (the shared one:
-    its watchdog changes no number). The one-host group waits before step 10 until it is signalled
-    (`hold_alone`), so it is still there however late Ray sees the node come back."""
+    its watchdog changes no number). The first two-host group stops for good before step 8
+    (`stall_in_step:8#1`: attempt 1 only), so it is still there however late the test takes the node
+    away (Ray then kills the failed group); the one-host group waits before step 10 until it is
+    signalled (`hold_alone`), so it is still there however late Ray sees the node come back. No step
+    is paced: each wait is on what the test itself does."""
     import numpy as np
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     node_args = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    driver: Any = None  # a Popen, or a forked copy
     try:
         other = cluster.add_node(**node_args)
         log = (tmp_path / "driver.log").open("w")
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "runner", "hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
-             "hydra.launcher.hosts=2", "hydra.launcher.elastic=true", "hydra.launcher.resize_check_s=3",
-             # what the hosts' runner processes need: the cluster's workers have the environment of its nodes
-             f'hydra.launcher.env={{XLA_FLAGS: "{xla_flags(2)}", RUNNER_FAULT: "slow_steps:1,hold_alone:10"}}',
-             *ELASTIC, "run.dir=run"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True,
-            # a group Ray cannot place (the lost node still counted) is given up after 10 s, not 60; no
-            # actor polling for drained nodes (a cloud's preemption notices: this cluster has none)
-            env=runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
-                           RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0"))
+        args = ["hydra/launcher=ray", f"hydra.launcher.address={cluster.address}",
+                "hydra.launcher.hosts=2", "hydra.launcher.elastic=true", "hydra.launcher.resize_check_s=3",
+                # what the hosts' runner processes need: the cluster's workers have the environment of its nodes
+                f'hydra.launcher.env={{XLA_FLAGS: "{xla_flags(2)}", RUNNER_FAULT: "stall_in_step:8#1,hold_alone:10"}}',
+                *ELASTIC, "run.dir=run"]
+        # a group Ray cannot place (the lost node still counted) is given up after 10 s, not 60; no
+        # actor polling for drained nodes (a cloud's preemption notices: this cluster has none)
+        env = runner_env(tmp_path, 2, RAY_AUTH_MODE="disabled", RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
+                         RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0")
+        # forked (tests/forked.py) where its environment allows, as the other runs: its output to the log
+        driver = fork_server().start("module", "runner", args, tmp_path, env, output=log) or subprocess.Popen(
+            [sys.executable, "-m", "runner", *args], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True,
+            env=env)
         out = lambda: (tmp_path / "driver.log").read_text()  # noqa: E731
         metrics = tmp_path / "run" / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 6, 300, "step 6", driver,
@@ -270,6 +354,9 @@ def test_elastic_goes_on_with_the_hosts_left_and_grows_back(tmp_path, monkeypatc
                          r"ray: attempt \d started on 2 hosts", text), text[-5000:]
         assert "stopped by signal SIGTERM" in text  # the one-host group saved before growing back
     finally:
+        if driver is not None and driver.poll() is None:  # a wait above timed out: end it, not leave it
+            driver.kill()
+            driver.wait()
         cluster.shutdown()
     run = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r}
     reference = {r["step"]: r["loss"] for r in read_metrics(two_processes) if "loss" in r}

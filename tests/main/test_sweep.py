@@ -40,7 +40,7 @@ def test_members_run_in_their_own_dirs_and_one_failure_does_not_stop_the_rest(tm
     assert len(again_members) == 4  # the same members again: their records replaced, not added
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_a_crashed_sweep_resumes_unfinished_members(tmp_path) -> None:
     args = [*SWEEP, "optimizer.lr=1e-2,3e-3", "logging.wandb=offline"]
     crashed = run_runner(args, tmp_path, RUNNER_FAULT="kill_at_step:4", WANDB_API_KEY="secret-key-0123456789")
@@ -70,7 +70,7 @@ SWEEP_MISTAKES = [
 ]
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_every_member_is_checked_before_any_trains(tmp_path) -> None:
     """A sweep gets the single run's exit-2 paragraph for a mistake in any member (here a wrong type
     in the second), before the first member starts: nothing is trained, no directory is made. (The
@@ -93,7 +93,7 @@ def test_every_kind_of_member_mistake_is_one_exit_2_paragraph(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_optuna_optimizes_the_run_objective(tmp_path) -> None:
     """hydra-optuna-sweeper gets each member's run.objective as a float and writes its best trial;
     a second invocation's trials join the summary next to the first's."""
@@ -117,7 +117,7 @@ def test_optuna_optimizes_the_run_objective(tmp_path) -> None:
     assert len(json.loads((root / "summary.json").read_text())["members"]) == 5  # every member ever run
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_a_diverging_or_raising_member_is_recorded_and_the_others_train(tmp_path) -> None:
     """The NaN guard's stop and a raising hook are a member's failure, not the sweep's: recorded with
     their reason and no objective, the other members train, the table prints, exit 1; a rerun
@@ -147,7 +147,7 @@ def test_a_diverging_or_raising_member_is_recorded_and_the_others_train(tmp_path
         assert "eval/stdlib/loss nan" in result.stdout
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_optuna_records_a_failed_trial_and_goes_on(tmp_path) -> None:
     """A diverging trial is a failed trial in Optuna's study (not a NaN told to it, which optuna
     refuses): the sweep finishes its trials and writes its best, exit 1 for the failure. (TPE,
@@ -186,7 +186,7 @@ def test_the_same_sweep_command_finds_the_same_sweep() -> None:
     assert sampler_seed([*optuna, "hydra/sweeper/sampler=grid"]) == []  # nor has a grid a seed
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_rerunning_an_optuna_sweep_finds_its_finished_trials(tmp_path) -> None:
     """docs/sweeps.md's Optuna command, run twice with no seed: the second asks the same trials, finds
     each member finished, and its optimization_results.yaml covers the whole sweep."""

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +23,8 @@ from runner.errors import ConfigError
 from runner.models import attention
 from runner.models.gpt import GPT, GPTConfig
 from runner.models.llama import Llama, LlamaConfig
-from tests.conftest import ROOT, read_metrics, run_runner, runner_env
+from tests.conftest import ROOT, fork_server, read_metrics, run_runner, runner_env
+from tests.forked import run as forked
 
 HERE_IMPLS = ["xla", "splash_interpret"]  # in float32
 GPU = jax.default_backend() == "gpu"
@@ -105,11 +104,10 @@ print(json.dumps(errors))
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_splash_under_a_data_and_tensor_mesh_agrees_with_xla(tmp_path) -> None:
     """shard_map per device on a (data 2, tensor 2) mesh of 4 CPU devices, kv heads split and replicated."""
-    proc = subprocess.run([sys.executable, "-c", SHARDED], cwd=ROOT, env=runner_env(tmp_path, devices=4),
-                          capture_output=True, text=True, timeout=600)
+    proc = forked(fork_server(), "code", SHARDED, [], ROOT, runner_env(tmp_path, devices=4), 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
     for kv_heads in ("2", "1"):
@@ -117,7 +115,7 @@ def test_splash_under_a_data_and_tensor_mesh_agrees_with_xla(tmp_path) -> None:
         assert errors[f"{kv_heads}_shard_map"], "splash must run per device inside shard_map"
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_splash_trains_document_masked_rows_on_a_tensor_mesh_and_cudnn_is_refused_on_a_cpu(tmp_path) -> None:
     """Through `python -m runner`, as a user would: docs/speed.md's names end to end."""
     args = ["job=llama_tiny", "train.steps=2", "eval.every=0", "eval.rows=8", "logging.wandb=disabled",
@@ -214,7 +212,9 @@ def test_init_traces_no_kernel_and_gives_the_kernels_parameters(family: str, mon
 # (implementation, compute dtype, relative tolerance of a row's summed loss): float32 sums agree to
 # about 1e-7 (this CPU and an H200); cuDNN in bfloat16 against XLA's per-document bfloat16 losses to
 # 5.4e-6 on an H200 (0.0019 of 344), while dropping the segments moves the sum by 0.10 to 0.56.
-PACKED = [(i, "float32", 1e-6) for i in HERE_IMPLS] + ([("cudnn", "bfloat16", 2e-5)] if GPU else [])
+PACKED = [*((i, "float32", 1e-6) for i in HERE_IMPLS),
+          pytest.param("cudnn", "bfloat16", 2e-5,
+                       marks=pytest.mark.skipif(not GPU, reason="cuDNN attention needs an NVIDIA GPU"))]
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +16,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from runner.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig, flops_per_token, param_count
-from tests.conftest import xla_flags
+from tests.conftest import fork_server, runner_env
+from tests.forked import run
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -291,17 +289,10 @@ _MESH_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.e2e
-def test_forward_on_fake_cpu_mesh() -> None:
-    # XLA reads the device count when jax initialises, hence a fresh process.
-    env = {
-        **os.environ,
-        "XLA_FLAGS": xla_flags(4),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
-    )
+@pytest.mark.deep
+def test_forward_on_fake_cpu_mesh(tmp_path) -> None:
+    # XLA reads the device count when jax's backend starts, hence a process of its own (forked:
+    # tests/forked.py, before any backend started)
+    proc = run(fork_server(), "code", _MESH_SCRIPT, [], REPO_ROOT, runner_env(tmp_path, 4), 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK")

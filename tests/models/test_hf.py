@@ -176,15 +176,19 @@ def test_a_trained_run_exports_through_the_command_line_and_imports_in_one_launc
     import subprocess
     import sys
 
-    from tests.conftest import runner_env
+    from tests.conftest import fork_server, runner_env
+    from tests.forked import run
 
     def export_cli(*extra: str) -> subprocess.CompletedProcess:
-        env = runner_env(tmp_path)
-        del env["JAX_PLATFORMS"]  # as a user runs it: the command itself keeps to the CPU
-        return subprocess.run([sys.executable, "-m", "runner.export", "run", "hf", *extra], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        """Forked (tests/forked.py): JAX_PLATFORMS set as the other processes have it."""
+        return run(fork_server(), "module", "runner.export", ["run", "hf", *extra], tmp_path, runner_env(tmp_path),
+                   600)
 
-    out = export_cli()
+    # a fresh interpreter, as a user runs it: the command itself keeps to the CPU before JAX loads
+    env = runner_env(tmp_path)
+    del env["JAX_PLATFORMS"]
+    out = subprocess.run([sys.executable, "-m", "runner.export", "run", "hf"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == "", out.stderr[-3000:]  # no libtpu, absl or orbax noise on a CPU machine
     # into a non-empty directory: refused, nothing touched; --overwrite clears the old weights first
@@ -218,7 +222,7 @@ def test_import_errors_are_user_errors(tmp_path: Path) -> None:
         spec_for(*TINY, f"run.init_from=hf:{tmp_path}")
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_export_carries_a_hugging_face_tokenizer_and_reads_a_checkpoint_saved_on_a_mesh(tmp_path: Path) -> None:
     """Data tokenized by a trained BPE (a Hugging Face tokenizer), a run on a (1, 2, 2) mesh of 4
     devices; the export, on this one CPU device, loads in transformers with the same tokenizer."""

@@ -338,7 +338,7 @@ def test_unsupported_field_is_refused_naming_it(tmp_path: Path, name: str) -> No
     assert f"{field}=" in message and "runner supports" in message and "Fix:" in message
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_a_refusal_end_to_end_is_exit_2_without_a_run_directory(tmp_path: Path) -> None:
     save(tmp_path / "hf", transformers.MistralConfig(**DECODER, sliding_window=8))
     out = run_runner([*TINY, "job=llama_tiny", "run.init_from=hf:hf", "run.dir=run"], tmp_path)

@@ -158,7 +158,7 @@ def test_bad_llama_settings_name_their_key() -> None:
     assert info.value.key == "job.model.activation"
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_llama_with_one_kv_head_trains_on_a_tensor_axis_and_a_users_family_trains(tmp_path) -> None:
     small = [*TINY, "train.steps=3", "eval.every=0", "checkpoint.every_steps=0"]
     mqa = run_runner([*small, "job=llama_tiny", "job.model.n_kv_heads=1", "job.model.head_dim=16",
@@ -178,6 +178,7 @@ def test_the_family_key_is_part_of_the_spec() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_remat_auto_saves_only_the_weight_matmuls_when_scanned_and_nothing_is_recomputed_unrolled(family) -> None:
     """job.model.remat=auto (the default): a scanned stack is rematerialised with the dots policy
     (its forward's jaxpr has a checkpoint whose policy is checkpoint_dots_with_no_batch_dims), an unrolled

@@ -78,6 +78,7 @@ CASES = [(LlamaFamily, llama, scan, fmt) for scan in (True, False) for fmt in ("
 
 
 @pytest.mark.parametrize("family,make,scan,fmt", CASES)
+@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_every_matmul_in_scope_runs_quantized_both_ways_and_every_parameter_learns(family, make, scan, fmt) -> None:
     """The step's jaxpr: each in-scope matmul takes quantized operands forward (e4m3 or int8) and
     both of its gradient matmuls do too (e5m2 gradients for fp8), no more and no fewer; the
@@ -203,7 +204,7 @@ QUANT_RUN = [*TINY, "job=llama_tiny", "job.model.n_kv_heads=2", "job.model.head_
              "checkpoint.every_steps=2", "eval.every=3", "job.model.compute_dtype=bfloat16"]
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_100_steps(tmp_path) -> None:
     """docs/speed.md's bound, on the embedded corpus: after 100 steps the eval loss of the int8 and
     fp8 runs is within 0.05 of the bf16 run's (measured: bf16 2.6991, int8 2.7006, fp8 2.6944,
@@ -232,20 +233,18 @@ def test_llama_tiny_in_int8_and_fp8_learns_within_0_05_of_bf16_in_100_steps(tmp_
         assert abs(finals[fmt][1] - finals["none"][1]) < 0.05 and finals[fmt][1] != finals["none"][1], finals
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_an_fp8_run_resumes_bit_exact_after_sigkill_and_exports_plain_weights(tmp_path) -> None:
     """Dynamic scaling keeps no state, so the checkpoint is the plain one and a killed fp8 run
     ends bitwise where an uninterrupted one does; its export is float32 weights with no
     quantization in config.json, which transformers runs as runner's unquantized forward does.
     (That fp8 trains another model than the plain run: the 100-step test above.)"""
-    import subprocess
-    import sys
-
     import safetensors.numpy
     import torch
     import transformers
 
-    from tests.conftest import runner_env
+    from tests.conftest import fork_server, runner_env
+    from tests.forked import run as forked
     from tests.train.test_restore import params_of
 
     run = [*QUANT_RUN, "job.model.quantization=fp8"]
@@ -259,8 +258,7 @@ def test_an_fp8_run_resumes_bit_exact_after_sigkill_and_exports_plain_weights(tm
     for a, b in zip(params_of(tmp_path / "killed", 6), final, strict=True):
         np.testing.assert_array_equal(a, b)
 
-    exported = subprocess.run([sys.executable, "-m", "runner.export", "whole", "hf"], cwd=tmp_path,
-                              env=runner_env(tmp_path), capture_output=True, text=True, timeout=600)
+    exported = forked(fork_server(), "module", "runner.export", ["whole", "hf"], tmp_path, runner_env(tmp_path), 600)
     assert exported.returncode == 0, exported.stderr[-3000:]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in config
@@ -288,13 +286,20 @@ def test_an_fp8_run_resumes_bit_exact_after_sigkill_and_exports_plain_weights(tm
     assert np.abs(quantized - ours).max() > 100 * np.abs(theirs - ours).max()  # the fp8 forward is another
 
 
-@pytest.mark.e2e
-def test_a_refused_format_exits_2_with_one_paragraph_and_leaves_nothing(tmp_path) -> None:
-    done = run_runner([*QUANT_RUN, "job.model.quantization=fp8", "topology=v5litepod-4", "mode=compile",
-                       "run.dir=run"], tmp_path)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "job.model.quantization" in done.stderr and "Fix:" in done.stderr and "int8" in done.stderr
-    assert not (tmp_path / "run").exists()
+def test_a_refused_format_is_one_paragraph_and_leaves_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """The command's own check (refused_in_process: exit 2, one line; tests/test_spec.py shows a
+    refusal of the built spec end to end), in an empty directory that stays empty."""
+    from tests.conftest import refused_in_process
+
+    monkeypatch.chdir(tmp_path)
+    line = refused_in_process([*QUANT_RUN, "job.model.quantization=fp8", "topology=v5litepod-4", "mode=compile",
+                               "run.dir=run"], capsys, build=True)
+    assert "job.model.quantization" in line and "Fix:" in line and "int8" in line
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.deep
+def test_an_int8_program_compiles_for_a_v5e_topology(tmp_path) -> None:
     compiled = run_runner([*QUANT_RUN, "job.model.quantization=int8", "topology=v5litepod-4", "mode=compile",
                            "run.dir=run"], tmp_path)
     assert compiled.returncode == 0, compiled.stderr[-3000:]

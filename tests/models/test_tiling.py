@@ -57,6 +57,7 @@ def _namespace() -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt", "moe"])
+@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_tiles_give_the_untiled_loss_and_every_gradient_under_an_outer_scale(name: str) -> None:
     """One device: loss_tiles 4, mlp_tiles 8 (dense MLPs), both, against the untiled model with the
     same parameters: the loss, each token's loss and argmax hit, and every gradient within float32
@@ -91,7 +92,7 @@ def test_the_whole_logits_never_exist_in_the_tiled_step() -> None:
     assert "f32[4,8,64]" in tiled
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_tiles_on_4_and_8_devices_give_the_one_device_loss_and_gradients(tmp_path) -> None:
     """8 CPU devices, meshes of 4 and of 8: tiles beside data, fsdp, tensor, context (allgather,
     ring, ulysses, usp) and expert axes, for llama (grouped-query), gpt and an MoE (loss tiles; against its dense
@@ -170,8 +171,8 @@ def test_auto_tiles_the_head_only_when_a_devices_logits_would_be_large() -> None
 
 REFUSED = [
     (["job=llama_tiny", "job.model.loss_tiles=3"], "job.model.loss_tiles=3", "does not divide by 3"),
-    (["job=llama_tiny", "job.model.mlp_tiles=0"], "job.model.mlp_tiles=0", ""),
-    (["job=llama_tiny", "job.model.loss_tiles=-1"], "job.model.loss_tiles=-1", ""),
+    (["job=llama_tiny", "job.model.mlp_tiles=0"], "job.model.mlp_tiles=0", "it must be > 0"),
+    (["job=llama_tiny", "job.model.loss_tiles=-1"], "job.model.loss_tiles=-1", "it must be >= 0"),  # 0: auto
     (["job=llama_tiny", "topology=cpu-2", "mesh.data=1", "mesh.context=2", "job.model.mlp_tiles=32"],
      "job.model.mlp_tiles=32", "train.seq_len=32 / mesh.context=2 = 16 tokens"),
     (["job=moe_tiny", "job.model.mlp_tiles=2"], "job.model.mlp_tiles=2", "routes all of a micro-batch's tokens"),

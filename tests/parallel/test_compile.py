@@ -53,8 +53,8 @@ def _summary(stdout: str) -> dict:
     return data
 
 
-@pytest.mark.e2e
 @needs_libtpu
+@pytest.mark.e2e
 def test_v4_32_small_model_fits_and_reports_per_device_memory(tmp_path: Path) -> None:
     proc = run_runner(["topology=v4-32", "mode=compile", *SMALL], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -76,8 +76,8 @@ def test_v4_32_small_model_fits_and_reports_per_device_memory(tmp_path: Path) ->
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("topology", [pytest.param("v4-32", marks=needs_libtpu), "cpu-4"])
+@pytest.mark.e2e
 def test_an_oversized_batch_does_not_fit_and_exits_3(tmp_path: Path, topology: str) -> None:
     proc = run_runner([f"topology={topology}", "mode=compile", *OVERSIZED], tmp_path)
     assert proc.returncode == 3, proc.stdout + proc.stderr
@@ -91,8 +91,8 @@ def test_an_oversized_batch_does_not_fit_and_exits_3(tmp_path: Path, topology: s
         assert report["memory"]["total"] > report["limit_bytes"]
 
 
-@pytest.mark.e2e
 @needs_libtpu
+@pytest.mark.deep
 def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) -> None:
     """attention=auto on a TPU is the splash kernel, lowered by Mosaic for the TPU (not interpreted)."""
     proc = run_runner(["topology=v4-8", "mode=compile", "job=llama_tiny", "data.strategy=synthetic",
@@ -104,7 +104,6 @@ def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) 
     assert report["kernels"]["tpu_custom_call"] > 0 and "fused kernels: " in proc.stdout
 
 
-@pytest.mark.e2e
 @needs_libtpu
 @pytest.mark.parametrize("kind, summary", [
     ("allgather", "splash kernel on each shard's rows"),
@@ -113,6 +112,7 @@ def test_mode_compile_uses_and_names_the_kernel_the_target_runs(tmp_path: Path) 
              "(ulysses); key/value heads repeated to one per query head (2 on a device do not split 4 ways); "
              "auto chose it: 4 heads a device split over mesh.context=4, and splash's tables for whole "
              "1,024-token rows fit scalar memory")])
+@pytest.mark.deep
 def test_context_parallel_rows_take_the_splash_kernel_per_shard(tmp_path: Path, kind: str, summary: str) -> None:
     """Rows split over mesh.context=4 on a v5p-8, attention=auto: allgather runs the splash kernel
     on each shard's rows, ring on each block it passes, and auto takes ulysses (the kernel on whole
@@ -134,7 +134,7 @@ def test_context_parallel_rows_take_the_splash_kernel_per_shard(tmp_path: Path, 
     assert ("all-to-all" in moved) == (kind == "auto") and "collectives per step and device" in proc.stdout
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_cpu_4_compiles_for_four_local_devices(tmp_path: Path) -> None:
     # One device in XLA_FLAGS: mode=compile gives cpu-4 its four devices itself.
     proc = run_runner(["topology=cpu-4", "mode=compile", *SMALL], tmp_path, devices=1)
@@ -147,7 +147,7 @@ def test_cpu_4_compiles_for_four_local_devices(tmp_path: Path) -> None:
     assert re.search(r"mode=compile: traced in [\d.]+ s; XLA is compiling it for cpu-4 \.\.\.", proc.stdout)
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_a_tpu_topology_without_libtpu_says_how_to_install_it(tmp_path: Path) -> None:
     # A libtpu package that fails to import stands in for one that is not installed.
     fake = tmp_path / "no_libtpu" / "libtpu"
@@ -344,8 +344,8 @@ def test_collectives_whose_device_groups_span_slices_are_counted_apart() -> None
                                                           "all-reduce by send": 5 * 8}
 
 
-@pytest.mark.e2e
 @needs_libtpu
+@pytest.mark.deep
 def test_stages_across_two_slices_are_reported_with_the_bytes_between_slices(tmp_path: Path) -> None:
     """llama_tiny's 4 layers in 2 gpipe stages on 2xv5p-8, fsdp 4 in each slice: the stage axis spans
     the slices, so the activations' hops cross them (one-to-one sends of the data-centre network's
@@ -360,8 +360,8 @@ def test_stages_across_two_slices_are_reported_with_the_bytes_between_slices(tmp
     assert across["one-to-one by send"] > 0 and "between slices per step and device" in proc.stdout
 
 
-@pytest.mark.e2e
 @needs_libtpu
+@pytest.mark.deep
 def test_stages_take_their_microbatches_without_gathering_the_buffer(tmp_path: Path) -> None:
     """TPU's partitioner turned a dynamic slice of the microbatch buffer (stage 0's next input, the
     last stage's output put back) into a gather of the whole buffer over the batch's devices in

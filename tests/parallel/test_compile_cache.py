@@ -1,6 +1,6 @@
 """The persistent compilation cache (run.compile_cache): a relaunch loads what the first launch
-compiled, a changed model compiles its own programs, and a damaged entry costs a recompile, not
-the run."""
+compiled, a changed model compiles its own programs, a run of another length (or one extended)
+compiles no train step, and a damaged entry costs a recompile, not the run."""
 
 from __future__ import annotations
 
@@ -40,7 +40,37 @@ def test_a_relaunch_hits_the_cache_and_a_changed_model_misses_it(tmp_path: Path)
     assert entries(cache) - filled  # a changed model is a different program: compiled, not reused
 
 
+def train_steps(cache: Path) -> set[str]:
+    return {name for name in entries(cache) if name.startswith("jit_step")}
+
+
 @pytest.mark.e2e
+def test_runs_that_differ_only_in_length_share_the_train_step(tmp_path: Path) -> None:
+    """The schedule's lengths (train.steps, the warmup, a decay's) are the train step's arguments,
+    not constants compiled into it (issue 59): a run of another length and a finished run extended
+    compile no train step, and each follows its own train.steps."""
+    def trained(run: str, key: str) -> list[float]:
+        return [r[key] for r in read_metrics(tmp_path / run) if "loss" in r]
+
+    cache = tmp_path / "xla"
+    args = [*TINY, "eval.every=0", f"run.compile_cache={cache}"]  # cosine after a 2-step warmup
+    short = run_runner([*args, "run.dir=short", "train.steps=4"], tmp_path)
+    assert short.returncode == 0, short.stderr[-3000:]
+    compiled = train_steps(cache)
+    assert len(compiled) == 1, sorted(entries(cache))
+    first_loss, first_lr = trained("short", "loss"), trained("short", "lr")
+    longer = run_runner([*args, "run.dir=long", "train.steps=6"], tmp_path)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    extended = run_runner([*args, "run.dir=short", "train.steps=6"], tmp_path)  # resumes at step 4
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert train_steps(cache) == compiled, sorted(entries(cache))  # neither compiled a train step
+    long_lr = trained("long", "lr")
+    assert long_lr[:3] == first_lr[:3] and long_lr[3] != first_lr[3]  # the cosines part after step 3,
+    assert trained("long", "loss")[:4] == first_loss  # so the first 4 losses agree
+    assert trained("short", "loss")[:4] == first_loss and trained("short", "lr")[4:] == long_lr[4:]  # 6-step cosine
+
+
+@pytest.mark.deep
 def test_none_turns_the_cache_off_even_where_the_environment_names_one(tmp_path: Path) -> None:
     """JAX reads JAX_COMPILATION_CACHE_DIR itself: run.compile_cache=none must still write nothing."""
     named = tmp_path / "named"

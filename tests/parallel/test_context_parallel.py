@@ -6,6 +6,7 @@ SIGKILL, onto another context size too; what cannot work is refused."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import signal
 
 import numpy as np
@@ -20,54 +21,76 @@ import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from runner.parallel.mesh import make_mesh
 from runner.models.llama import Llama, LlamaConfig, LlamaFamily
 from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from tests.models.test_moe import moe_config
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
 tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 32), 0, 64)
 # 4 shards: chunks of 4 tokens, shard i holds chunks i and 7-i; boundaries on a chunk edge (8, 16,
-# 24), inside chunks (5, 13, 7), a padded tail
+# 24), inside chunks (5, 13, 7), a padded tail; 8 shards: chunks of 2 tokens, edges on chunk edges
+# and inside chunks
 seg = np.array([[1] * 5 + [2] * 3 + [3] * 5 + [4] * 11 + [5] * 8, [1] * 32, [1] * 16 + [2] * 12 + [0] * 4,
                 [1] * 7 + [2] * 25])
 starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1) != 0, np.arange(32), 0), axis=1)
-positions = jnp.asarray(np.arange(32) - starts)
-seg = jnp.asarray(seg)
+positions, seg = jnp.asarray(np.arange(32) - starts), jnp.asarray(seg)
 llama = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48)
 models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
           "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
-          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4))}
-out = {}
+          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)),
+          "moe": (Llama, LlamaFamily, dataclasses.replace(moe_config(n_shared_experts=1), context_length=32))}
+# meshes of 4 (on the first 4 devices): every kind; meshes of 8: usp, ulysses and ring beside other axes
+fours = ({"data": 1, "fsdp": 1, "context": 4, "tensor": 1}, {"data": 2, "fsdp": 1, "context": 2, "tensor": 1},
+         {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "context": 2, "tensor": 2})
+cases = {"llama_gqa": [({"context": 8}, "usp", 2), ({"context": 8}, "usp", 4), ({"data": 2, "context": 4}, "usp", 2),
+                       ({"context": 4, "tensor": 2}, "usp", 2), ({"data": 2, "context": 4}, "ulysses", 0),
+                       ({"fsdp": 2, "context": 4}, "ring", 0)],
+         "llama_mqa": [({"context": 8}, "usp", 4), ({"context": 4, "tensor": 2}, "usp", 2)],
+         "gpt": [({"context": 8}, "usp", 2), ({"fsdp": 2, "context": 4}, "ulysses", 0)],
+         "moe": [({"expert": 2, "context": 4}, "usp", 2), ({"expert": 2, "context": 4}, "ulysses", 0)]}
+out = {"4": {}, "8": {}}
 for name, (Model, Family, cfg) in models.items():
     params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
-
-    def run(cfg):
-        return logits_and_grads(Model(cfg), params, tokens, seg, positions)
-
-    want, _ = run(cfg)
-    for shape in ({"data": 1, "fsdp": 1, "context": 4, "tensor": 1}, {"data": 2, "fsdp": 1, "context": 2, "tensor": 1},
-                  {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "context": 2, "tensor": 2}):
+    reference = dataclasses.replace(cfg, moe_dispatch="dense") if name == "moe" else cfg
+    want, _ = logits_and_grads(Model(reference), params, tokens, seg, positions)  # one device, once a model
+    for shape in fours if name != "moe" else ():
         for kind in ("allgather", "ring", "ulysses", "usp"):
             if kind == "usp" and shape["context"] < 4:  # groups of 2 and a ring of 2: context 4 at least
                 continue
             c = dataclasses.replace(cfg, context_parallel=kind, ulysses_ways=2 if kind == "usp" else 0)
-            with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
-                got, text = run(c)
+            with jax.set_mesh(make_mesh(shape, jax.devices()[:4])), nn.logical_axis_rules(Family.axis_rules(c, shape)):
+                got, text = logits_and_grads(Model(c), params, tokens, seg, positions)
             key = name + "/" + "/".join(f"{k}{v}" for k, v in shape.items() if v > 1) + "/" + kind
-            out[key] = {"error": relative_error(got, want),
-                        "gather": "all-gather" in text or "all_gather" in text,
-                        "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text,
-                        "all_to_all": "all-to-all" in text or "all_to_all" in text}
+            out["4"][key] = {"error": relative_error(got, want),
+                             "gather": "all-gather" in text or "all_gather" in text,
+                             "permute": "collective-permute" in text or "collective_permute" in text or
+                             "ppermute" in text, "all_to_all": "all-to-all" in text or "all_to_all" in text}
+    for axes, kind, ways in cases[name]:
+        shape = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **axes}
+        c = dataclasses.replace(cfg, context_parallel=kind, ulysses_ways=ways)
+        with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
+            got, text = logits_and_grads(Model(c), params, tokens, seg, positions)
+        key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items()) + "/" + kind + (str(ways) if ways else "")
+        out["8"][key] = {"error": relative_error(got, want), "all_to_all": "all-to-all" in text or "all_to_all" in text,
+                         "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.e2e
-def test_context_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """EQUIVALENCE's results ({"4": meshes of 4, "8": meshes of 8}): one process of 8 CPU devices,
+    each model's one-device reference computed once for both tests."""
+    return run_script(EQUIVALENCE, tmp_path_factory.mktemp("equivalence"), devices=8)
+
+
+@pytest.mark.deep
+def test_context_meshes_give_the_one_device_logits_and_gradients(equivalence) -> None:
     """(context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2), allgather,
     ring and ulysses (and usp on context 4: groups of 2, a ring of 2), for llama (GQA and MQA) and
     gpt: every logit and every gradient within float32 rounding. Ulysses there covers both of its
     head layouts: key/value heads that split over the context axis (GQA's 2 over context 2) and
     ones repeated to one per query head (MQA; GQA's 2 over context 4, or 1 per device beside
     tensor 2)."""
-    out = run_script(EQUIVALENCE, tmp_path)
+    out = equivalence["4"]
     assert len(out) == 39
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
@@ -78,55 +101,13 @@ def test_context_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> No
         assert result["all_to_all"] == (kind in ("ulysses", "usp")), (name, result)  # heads travel only there
 
 
-EQUIVALENCE_8 = """
-import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
-from runner.parallel.mesh import make_mesh
-from runner.models.llama import Llama, LlamaConfig, LlamaFamily
-from runner.models.gpt import GPT, GPTConfig, GPTFamily
-from tests.models.test_moe import moe_config
-from tests.parallel.equivalence import logits_and_grads, relative_error
-
-tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 32), 0, 64)
-# 8 shards: chunks of 2 tokens; document edges on chunk edges and inside chunks, a padded tail
-seg = np.array([[1] * 5 + [2] * 3 + [3] * 5 + [4] * 11 + [5] * 8, [1] * 32, [1] * 16 + [2] * 12 + [0] * 4,
-                [1] * 7 + [2] * 25])
-starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1) != 0, np.arange(32), 0), axis=1)
-positions, seg = jnp.asarray(np.arange(32) - starts), jnp.asarray(seg)
-llama = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48)
-models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
-          "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
-          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)),
-          "moe": (Llama, LlamaFamily, dataclasses.replace(moe_config(n_shared_experts=1), context_length=32))}
-cases = {"llama_gqa": [({"context": 8}, "usp", 2), ({"context": 8}, "usp", 4), ({"data": 2, "context": 4}, "usp", 2),
-                       ({"context": 4, "tensor": 2}, "usp", 2), ({"data": 2, "context": 4}, "ulysses", 0),
-                       ({"fsdp": 2, "context": 4}, "ring", 0)],
-         "llama_mqa": [({"context": 8}, "usp", 4), ({"context": 4, "tensor": 2}, "usp", 2)],
-         "gpt": [({"context": 8}, "usp", 2), ({"fsdp": 2, "context": 4}, "ulysses", 0)],
-         "moe": [({"expert": 2, "context": 4}, "usp", 2), ({"expert": 2, "context": 4}, "ulysses", 0)]}
-out = {}
-for name, (Model, Family, cfg) in models.items():
-    params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
-    reference = dataclasses.replace(cfg, moe_dispatch="dense") if name == "moe" else cfg
-    want, _ = logits_and_grads(Model(reference), params, tokens, seg, positions)
-    for axes, kind, ways in cases[name]:
-        shape = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **axes}
-        c = dataclasses.replace(cfg, context_parallel=kind, ulysses_ways=ways)
-        with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
-            got, text = logits_and_grads(Model(c), params, tokens, seg, positions)
-        key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items()) + "/" + kind + (str(ways) if ways else "")
-        out[key] = {"error": relative_error(got, want), "all_to_all": "all-to-all" in text or "all_to_all" in text,
-                    "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text}
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.e2e
-def test_on_8_devices_usp_ulysses_and_ring_give_the_one_device_logits_and_gradients(tmp_path) -> None:
+@pytest.mark.deep
+def test_on_8_devices_usp_ulysses_and_ring_give_the_one_device_logits_and_gradients(equivalence) -> None:
     """8 CPU devices: usp with groups of 2 (a ring of 4) and of 4 (a ring of 2) over context 8, and
     beside data, tensor and expert axes; ulysses beside data, fsdp and expert; ring beside fsdp;
     for llama (GQA, MQA), gpt and an MoE (against its dense dispatch), with packed documents:
     every logit and every gradient within float32 rounding of one device."""
-    out = run_script(EQUIVALENCE_8, tmp_path, devices=8)
+    out = equivalence["8"]
     assert len(out) == 12
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
@@ -145,7 +126,7 @@ from runner.models.llama import Llama, LlamaConfig, LlamaFamily
 from runner.models.gpt import GPT, GPTConfig, GPTFamily
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
-KIND, T = "allgather", 512  # the ring and ulysses tests replace this line
+KINDS, T = ("allgather", "ulysses"), 512  # the ring test replaces this line
 built = []  # the shards each splash kernel was built for: proof the kernel ran, not the XLA blocks
 kernel, ring_kernels, rows_kernel = splash.zigzag_causal_kernel, splash_ring.kernels, splash.causal_kernel
 splash.zigzag_causal_kernel = lambda *a, **k: built.append(a[2]) or kernel(*a, **k)
@@ -168,36 +149,47 @@ models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
 meshes = {"llama_gqa": ({"context": 4}, {"data": 2, "context": 2}, {"fsdp": 2, "context": 2},
                         {"context": 2, "tensor": 2}),
           "llama_mqa": ({"context": 2, "tensor": 2},), "gpt": ({"context": 4},)}
-if KIND == "ring":
-    meshes["gpt"] += ({"context": 4, "docs": 0},)  # rows without documents: no segment ids at all
-out = {}
+ring_only = {"gpt": ({"context": 4, "docs": 0},)}  # rows without documents: no segment ids at all
+out = {kind: {} for kind in KINDS}
 for name, (Model, Family, cfg) in models.items():
     params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
-    for axes in meshes[name]:
-        docs = (seg, positions) if axes.get("docs", 1) else (None, None)
-        want, _ = logits_and_grads(Model(cfg), params, tokens, *docs)  # one device, xla
-        shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
-        shape.pop("docs", None)
-        c = dataclasses.replace(cfg, attention="splash_interpret", context_parallel=KIND)
-        before = len(built)
-        with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
-            got, text = logits_and_grads(Model(c), params, tokens, *docs)
-        key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items())
-        out[key] = {"error": relative_error(got, want), "kernels": built[before:],
-                    "gather": "all-gather" in text or "all_gather" in text,
-                    "permute": "collective-permute" in text or "collective_permute" in text or "ppermute" in text}
+    wants = {}  # one device's xla attention, once a model for each of the rows (with documents, without)
+    for kind in KINDS:
+        for axes in meshes[name] + (ring_only.get(name, ()) if kind == "ring" else ()):
+            docs = (seg, positions) if axes.get("docs", 1) else (None, None)
+            if axes.get("docs", 1) not in wants:
+                wants[axes.get("docs", 1)] = logits_and_grads(Model(cfg), params, tokens, *docs)[0]
+            want = wants[axes.get("docs", 1)]
+            shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
+            shape.pop("docs", None)
+            c = dataclasses.replace(cfg, attention="splash_interpret", context_parallel=kind)
+            before = len(built)
+            with jax.set_mesh(make_mesh(shape)), nn.logical_axis_rules(Family.axis_rules(c, shape)):
+                got, text = logits_and_grads(Model(c), params, tokens, *docs)
+            key = name + "/" + "/".join(f"{k}{v}" for k, v in axes.items())
+            out[kind][key] = {"error": relative_error(got, want), "kernels": built[before:],
+                              "gather": "all-gather" in text or "all_gather" in text,
+                              "permute": "collective-permute" in text or "collective_permute" in text or
+                              "ppermute" in text}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.e2e
-def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def splash_512(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """SPLASH_EQUIVALENCE's results for allgather and ulysses, which take the same 512-token rows on
+    the same meshes: one process, one reference a model."""
+    return run_script(SPLASH_EQUIVALENCE, tmp_path_factory.mktemp("splash"))
+
+
+@pytest.mark.deep
+def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(splash_512) -> None:
     """attention=splash (Pallas interpret mode on CPU) with allgather: each shard's queries against
     the gathered keys and values in one kernel call whose mask knows the zig-zag order. 512-token
     packed rows on (context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2) for
     llama GQA, MQA with split heads, and gpt: logits and gradients within float32 rounding of one
     device's XLA attention."""
-    out = run_script(SPLASH_EQUIVALENCE, tmp_path)
+    out = splash_512["allgather"]
     assert len(out) == 6
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
@@ -206,21 +198,21 @@ def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(t
         assert result["kernels"] and set(result["kernels"]) == {ways}, (name, result)  # split over the context axis
 
 
-@pytest.mark.e2e
-def test_the_splash_kernel_on_whole_rows_under_ulysses_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
+@pytest.mark.deep
+def test_the_splash_kernel_on_whole_rows_under_ulysses_gives_the_one_device_logits_and_gradients(splash_512) -> None:
     """attention=splash with ulysses: after the all-to-all each device runs the ordinary splash
     kernel on whole 512-token rows (built for 512, not a shard's share) for its share of the
     heads, key/value heads repeated where they do not split (GQA over context 4 or beside tensor
     2, MQA); the same meshes as allgather: logits and gradients within float32 rounding of one
     device's XLA attention."""
-    out = run_script(SPLASH_EQUIVALENCE.replace('"allgather", 512', '"ulysses", 512'), tmp_path)
+    out = splash_512["ulysses"]
     assert len(out) == 6
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         assert result["kernels"] and set(result["kernels"]) == {512}, (name, result)  # whole rows
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_the_splash_kernel_per_ring_block_gives_the_one_device_logits_and_gradients(tmp_path) -> None:
     """attention=splash with ring: every ring step one splash call (the own block causal, the
     others' half blocks unmasked), merged by the kernels' log-sum-exps; the gradient by splash's
@@ -228,7 +220,7 @@ def test_the_splash_kernel_per_ring_block_gives_the_one_device_logits_and_gradie
     1024-token packed rows (each shard's half row fills the kernel's 128 tiles at context 4) on
     the same meshes as allgather, and rows without documents: logits and gradients within float32
     rounding of one device."""
-    out = run_script(SPLASH_EQUIVALENCE.replace('"allgather", 512', '"ring", 1024'), tmp_path)
+    out = run_script(SPLASH_EQUIVALENCE.replace('("allgather", "ulysses"), 512', '("ring",), 1024'), tmp_path)["ring"]
     assert len(out) == 7 and "gpt/context4/docs0" in out  # and one mesh with unpacked rows
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
@@ -262,8 +254,8 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
     and by ulysses, both with the loss and the feed-forward in 2 tiles (runner.models.tiling),
     (context 4) by ring and by usp (groups of 2, a ring of 2: the ways usp picks for 2 heads),
     untiled, match one untiled device; a run killed at step 22 resumes bit-exact on the same mesh
-    (allgather and ulysses tiled, usp), and a tiled one on an untiled (context 4) onto the same
-    curve. Runs on one mesh shape share a sweep, one process."""
+    (allgather and ulysses tiled, usp), and a tiled one (a copy of the killed allgather run) on an
+    untiled (context 4) onto the same curve. Runs on one mesh shape share a sweep, one process."""
     from tests.train.test_restore import params_of
 
     one = run_runner([*RUN, "run.dir=one"], tmp_path)
@@ -284,11 +276,12 @@ def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_conte
     assert "tiles: output head and loss over 2 tiles" in (tmp_path / "whole" / "allgather" / "RUN_CARD.md").read_text()
     assert "(usp): all-to-all within groups of 2 shards" in (tmp_path / "whole" / "usp" / "RUN_CARD.md").read_text()
 
-    for kind, mesh in (("allgather", pairs), ("ulysses", pairs), ("usp", fours), ("moved", pairs)):
-        cp = "allgather" if kind == "moved" else kind
-        killed = run_runner([*RUN, f"run.dir=killed/{kind}", *mesh, f"job.model.context_parallel={cp}"], tmp_path,
+    for kind, mesh in (("allgather", pairs), ("ulysses", pairs), ("usp", fours)):
+        killed = run_runner([*RUN, f"run.dir=killed/{kind}", *mesh, f"job.model.context_parallel={kind}"], tmp_path,
                             devices=4, RUNNER_FAULT="kill_at_step:22")
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # the tiled allgather run killed at 22, once: a copy of its directory is the one moved to (context 4)
+    shutil.copytree(tmp_path / "killed" / "allgather", tmp_path / "killed" / "moved")
     for resumed, extra in ((2, ["-m", *RUN, *pairs, "job.model.context_parallel=allgather,ulysses", "run.sweep=again",
                                 "run.dir=killed/${job.model.context_parallel}"]),
                            (1, [*RUN, *fours, "job.model.context_parallel=usp", "run.dir=killed/usp"]),
@@ -311,15 +304,14 @@ SPLASH_CARDS = {
                "split 2 ways)"}
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("kinds, seq_len", [("allgather,ulysses", 256), ("ring", 512)],
-                         ids=["allgather-ulysses", "ring"])
-def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path, kinds: str, seq_len: int) -> None:
+@pytest.mark.deep
+def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path) -> None:
     """`python -m runner job.model.attention=splash mesh.context=2` (Pallas interpret mode on this
     CPU) on packed rows, allgather, ring and ulysses: the kernel runs per shard, per block or on
     whole rows (the run card says so) and the losses are one device's XLA attention's. (The kinds
-    at one length: one sweep.)"""
-    run = [*RUN, "job.model.n_kv_heads=1", f"train.seq_len={seq_len}", f"job.model.context_length={seq_len}",
+    at one length, 512 tokens, the shortest ring's half blocks fill: one sweep, one reference.)"""
+    kinds = "allgather,ulysses,ring"
+    run = [*RUN, "job.model.n_kv_heads=1", "train.seq_len=512", "job.model.context_length=512",
            "train.steps=4", "train.batch_size=4", "eval.every=0", "checkpoint.every_steps=0"]
     one = run_runner([*run, "run.dir=one", "job.model.attention=xla"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -478,7 +470,7 @@ def test_auto_on_a_tpu_takes_the_splash_kernel_where_its_tiles_fit_the_shards(ki
     assert model_config(spec).attention == attention
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_the_long_context_recipe_runs_end_to_end(tmp_path) -> None:
     """docs/long-context.md's recipe, its two phases: a short-context run, then a new run
     warm-started from it at 4x the sequence length with Llama 3's rotary scaling, rows split over
@@ -560,7 +552,7 @@ print(json.dumps(found))
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_no_device_gathers_whole_rows_of_hidden_states(tmp_path) -> None:
     """The zig-zag order is put on a row's integers (tokens, positions, segments, targets) and
     taken off each token's loss: the compiled step of every kind on (context 4) moves no whole row

@@ -51,7 +51,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_expert_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
     """(data 2, expert 2), (expert 4), (fsdp 2, tensor 2), (expert 2, tensor 2), (fsdp 2, expert 2),
     (expert 2, context 2: rows split as well, by allgather and by ulysses) against the dense
@@ -71,7 +71,7 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_expert_meshes_train_the_one_device_loss_curve_and_resume_onto_another_expert_size(tmp_path) -> None:
     """20 steps through `python -m runner`: (data 2, expert 2) and (expert 4) match one device
     within float32 rounding; a run killed at step 12 on (expert 2) resumes on (expert 4) from

@@ -4,9 +4,6 @@ the device count must be fixed before JAX starts)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +12,8 @@ import pytest
 
 from runner.errors import ConfigError, UserError
 from runner.parallel.mesh import make_mesh, resolve_mesh_shape
-from tests.conftest import xla_flags
+from tests.conftest import fork_server, runner_env
+from tests.forked import run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,12 +91,9 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.e2e
-def test_mesh_on_four_simulated_cpu_devices():
-    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+@pytest.mark.deep
+def test_mesh_on_four_simulated_cpu_devices(tmp_path):
+    proc = run(fork_server(), "code", _SCRIPT, [], REPO, runner_env(tmp_path, 4), 300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["n"] == 4

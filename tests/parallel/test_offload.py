@@ -2,7 +2,7 @@
 between the forward and the backward pass (and optimizer.offload=host's TPU program: the state
 itself is tested in tests/optim/test_offload.py). Proven on the program: an ahead-of-time compile for a
 TPU holds host memory and copies to and from it; the gradients are the full remat's; the CPU,
-whose runtime has no host memory apart, refuses it. (On a GPU: tools/offload_check.py, figures in
+whose runtime has no host memory apart, refuses it. (On a GPU: tools/bench/offload_check.py, figures in
 docs/performance.md.)"""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tests.parallel.test_compile import _summary, needs_libtpu
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
+@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_the_offload_policy_gives_the_full_remat_gradients(name: str) -> None:
     """The layers tagged and rematerialised by the offload policy (scanned and unrolled) give the
     loss and every gradient of remat=full (here on the CPU, which ignores the placement)."""
@@ -44,9 +45,9 @@ def test_offload_on_a_cpu_is_refused_naming_the_platform(capsys, tmp_path, monke
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.e2e
 @needs_libtpu
 @pytest.mark.parametrize("setting", ["job.model.remat=offload", "optimizer.offload=host"])
+@pytest.mark.deep
 def test_a_tpu_compile_of_the_offloaded_step_copies_to_host_memory_and_back(tmp_path: Path, setting: str) -> None:
     """mode=compile for a v5p-8 with remat=offload (each layer's input) or optimizer.offload=host (the
     optimizer state between steps): the compiled step holds host memory (reported apart from the

@@ -101,8 +101,8 @@ def moe_step(model, variables):
                                 positions=positions, mutable=[LOSSES, REPORTS, MODEL_STATE])
         balancing = sum(jnp.sum(leaf) for leaf in jax.tree.leaves(sown[LOSSES]))
         return jnp.sum(jnp.sin(out)) + 100 * balancing, (out, reports(sown[REPORTS]), sown[MODEL_STATE])
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    return step(variables["params"]), step.lower(variables["params"]).compile().as_text()
+    executable = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(variables["params"]).compile()  # once
+    return executable(variables["params"]), executable.as_text()
 
 
 variables = nn.unbox(Llama(moe).init(jax.random.PRNGKey(0), tokens))
@@ -120,7 +120,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_stage_meshes_give_the_one_device_logits_and_gradients(tmp_path) -> None:
     """8 CPU devices, meshes of 4 and 8: stage 2 and 4 beside data, fsdp, tensor and context
     (allgather, ring, ulysses), gpipe and circular, microbatches at and above the stages, for llama
@@ -152,8 +152,8 @@ def test_stages_train_the_one_device_curve_resume_bit_exact_move_meshes_and_expo
     """20 steps of packed documents through `python -m runner` on 4 devices, scanned layers: gpipe
     (stage 2 x data 2) and circular (stage 2 x fsdp 2, 2 rounds) match one device's losses and say their schedule
     and bubble at launch; a gpipe run killed at step 12 resumes bit-exact; a circular run killed at
-    12 resumes without stages (data 4), and a run killed without stages resumes in gpipe stages,
-    both onto the one-device curve (the saved layout is the same); the pipelined checkpoint exports
+    12 resumes without stages (data 4), and that run, killed in turn, resumes in gpipe stages, both
+    onto the one-device curve (the saved layout is the same); the pipelined checkpoint exports
     to a Hugging Face model whose logits are the one-device model's on it."""
     from tests.train.test_restore import params_of
 
@@ -170,19 +170,27 @@ def test_stages_train_the_one_device_curve_resume_bit_exact_move_meshes_and_expo
     assert ("pipeline: circular: 2 stages of 1 layer, round them 2 times, 4 microbatches, 9 iterations, bubble 11.1%"
             in (tmp_path / "whole" / "circular" / "RUN_CARD.md").read_text())
 
-    for name, mesh in (("gpipe", GPIPE), ("circular", CIRCULAR), ("flat", ["mesh.data=4"])):
-        killed = run_runner([*RUN, *mesh, f"run.dir=killed/{name}"], tmp_path, devices=4,
-                            RUNNER_FAULT="kill_at_step:12")
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    for name, mesh in (("gpipe", GPIPE), ("circular", ["mesh.data=4"]), ("flat", GPIPE)):
-        again = run_runner([*RUN, *mesh, f"run.dir=killed/{name}"], tmp_path, devices=4)
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert "resumed from step 10 " in again.stdout, again.stdout[-3000:]
+    killed = run_runner([*RUN, *GPIPE, "run.dir=killed/gpipe"], tmp_path, devices=4, RUNNER_FAULT="kill_at_step:12")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    again = run_runner([*RUN, *GPIPE, "run.dir=killed/gpipe"], tmp_path, devices=4)
+    assert again.returncode == 0 and "resumed from step 10 " in again.stdout, again.stdout[-3000:]
     for a, b in zip(params_of(tmp_path / "killed" / "gpipe", 20), params_of(tmp_path / "whole" / "gpipe", 20),
                     strict=True):
         np.testing.assert_array_equal(a, b)
-    for name in ("circular", "flat"):
-        assert_close_losses(losses(tmp_path / "killed" / name), want, range(11, 21), name)
+
+    # the moves, chained in one run directory (saves every 5 steps: each leg resumes from the one
+    # before it): circular killed at 12; relaunched without stages (data 4), it resumes from
+    # circular's 10, saves 15 and is killed at 17; relaunched in gpipe stages, it resumes from that 15
+    moved = [*RUN, "run.dir=moved", "checkpoint.every_steps=5"]
+    legs = ((CIRCULAR, "kill_at_step:12", None), (["mesh.data=4"], "kill_at_step:17", 10), (GPIPE, "", 15))
+    for mesh, fault, resumed in legs:
+        leg = run_runner([*moved, *mesh], tmp_path, devices=4, **({"RUNNER_FAULT": fault} if fault else {}))
+        assert leg.returncode == (-signal.SIGKILL if fault else 0), leg.stderr[-3000:]
+        if resumed is not None:
+            assert f"resumed from step {resumed} " in leg.stdout, leg.stdout[-3000:]
+        if resumed == 10:  # the steps without stages, before the next leg logs over them
+            assert_close_losses(losses(tmp_path / "moved"), want, range(11, 17), "circular -> flat")
+    assert_close_losses(losses(tmp_path / "moved"), want, range(16, 21), "flat -> gpipe")
     assert_exports_as_one_device(tmp_path, tmp_path / "whole" / "gpipe")
 
 
@@ -190,7 +198,7 @@ GPT = [*TINY, "job=gpt_tiny", "job.model.n_layers=4", "job.model.scan_layers=tru
        "train.steps=20", "checkpoint.every_steps=20", "eval.every=0"]
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_gpt_in_circular_stages_trains_the_one_device_curve(tmp_path) -> None:
     """`python -m runner`, gpt_tiny (learned positions, tied head), 20 steps with packed documents:
     in 2 circular stages of 2 rounds beside data 2, each step's loss is one device's (llama's
@@ -211,7 +219,7 @@ MOE = [*TINY, "job=moe_tiny", "data.document_mask=true", "train.steps=20", "chec
 MOE_STAGES = ["mesh.stage=2", "mesh.expert=2", "mesh.data=1", "pipeline.microbatches=2"]
 
 
-@pytest.mark.e2e
+@pytest.mark.deep
 def test_an_moe_in_stages_trains_the_one_device_curve_and_resumes_bit_exact(tmp_path) -> None:
     """`python -m runner`, moe_tiny (2 unrolled layers of 8 experts, the balancing and z losses, the
     router's selection bias), 20 steps: in 2 gpipe stages beside 2 expert ways, each step's loss,
@@ -253,9 +261,6 @@ def state_of(run_dir: Path, step: int, *parts: str) -> list[np.ndarray]:
 def assert_exports_as_one_device(tmp_path: Path, run_dir: Path) -> None:
     """`python -m runner.export` of the run's newest checkpoint: transformers loads every weight,
     and its logits are runner's one-device model's on the checkpoint's parameters."""
-    import subprocess
-    import sys
-
     import torch
     import transformers
     from flax import linen as nn
@@ -263,11 +268,11 @@ def assert_exports_as_one_device(tmp_path: Path, run_dir: Path) -> None:
 
     from runner.models import model_config
     from runner.models.llama import Llama
-    from tests.conftest import runner_env
+    from tests.conftest import fork_server, runner_env
+    from tests.forked import run
     from tests.test_spec import spec_for
 
-    out = subprocess.run([sys.executable, "-m", "runner.export", str(run_dir), "hf"], cwd=tmp_path,
-                         env=runner_env(tmp_path), capture_output=True, text=True, timeout=600)
+    out = run(fork_server(), "module", "runner.export", [str(run_dir), "hf"], tmp_path, runner_env(tmp_path), 600)
     assert out.returncode == 0, out.stderr[-3000:]
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

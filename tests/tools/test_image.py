@@ -168,9 +168,9 @@ class Container:
             _sh(["buildah", "rm", self.name])
 
 
-@pytest.mark.e2e
 @pytest.mark.skipif(not IMAGE_TEST, reason="builds the image and pip-installs jax inside (5-10 min): "
                                            "set RUNNER_IMAGE_TEST=1")
+@pytest.mark.deep
 def test_image_builds_and_trains_offline(tmp_path: Path) -> None:
     builder = build_image.pick_builder("auto") if (shutil.which("docker") or shutil.which("buildah")) else None
     if builder is None:

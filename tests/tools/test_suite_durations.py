@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.conftest import DEFAULT_FILE_SECONDS, ROOT, pytest_collection_modifyitems
+from tests.conftest import DEFAULT_FILE_SECONDS, ROOT, slowest_files_first
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -48,7 +48,7 @@ def test_files_are_collected_slowest_first_keeping_each_file_s_own_order(monkeyp
     monkeypatch.setattr(json, "loads", lambda text: seconds)
     items = [SimpleNamespace(nodeid=n) for n in ("tests/a.py::t2", "tests/a.py::t1", "tests/c.py::t",
                                                  "tests/b.py::t9", "tests/b.py::t1")]
-    pytest_collection_modifyitems(None, None, items)
+    slowest_files_first(items)
     assert DEFAULT_FILE_SECONDS > 5  # c.py, not in the table, sits between b (500 s) and a (5 s)
     assert [i.nodeid for i in items] == ["tests/b.py::t9", "tests/b.py::t1", "tests/c.py::t", "tests/a.py::t2",
                                          "tests/a.py::t1"]

@@ -176,34 +176,49 @@ def test_off_builds_no_watchdog() -> None:
 
 
 class FakeClient:
-    """jax.distributed's key-value store, the two calls the leaving order uses."""
+    """jax.distributed's key-value store, the two calls the leaving order uses, safe across threads
+    as the real one is (one thread reads while another writes); it counts the reads, so a test can
+    wait for the reader to have looked."""
 
     def __init__(self) -> None:
+        import threading
+
         self.store: dict[str, str] = {}
         self.events: list[str] = []
+        self.looks = 0
+        self.changed = threading.Condition()
 
     def key_value_set(self, key: str, value: str) -> None:
-        self.store[key] = value
-        self.events.append(f"set {key}")
+        with self.changed:
+            self.store[key] = value
+            self.events.append(f"set {key}")
 
     def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
-        return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+        with self.changed:
+            self.looks += 1
+            self.changed.notify_all()
+            return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+    def wait_for_looks(self, looks: int, timeout: float = 30.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.looks >= looks, timeout), (self.looks, looks)
 
 
 def test_process_0_hosting_the_service_leaves_only_after_every_peer_said_it_leaves(monkeypatch) -> None:
     import threading
-    import time
 
     from runner.train import watchdog
 
     monkeypatch.setattr(watchdog, "GONE_GRACE_S", 0.0)
     client, left = FakeClient(), []
     host = Peers(0, 3, client)
-    leaving = threading.Thread(target=host.leave_in_order, args=(lambda code: left.append((0, code)), 75, 10.0))
+    leaving = threading.Thread(target=host.leave_in_order, args=(lambda code: left.append((0, code)), 75, 60.0))
     leaving.start()
     for index in (1, 2):
-        time.sleep(0.3)
-        assert leaving.is_alive() and (0, 75) not in left  # a peer still to go: the service stays
+        # two reads since the last peer left: the first saw a peer still to go, and process 0 read
+        # again instead of leaving (the service stays)
+        client.wait_for_looks(client.looks + 2)
+        assert leaving.is_alive() and (0, 75) not in left
         Peers(index, 3, client).leave_in_order(lambda code, i=index: left.append((i, code)), 75, 10.0)
     leaving.join(5)
     assert left == [(1, 75), (2, 75), (0, 75)]
@@ -214,3 +229,25 @@ def test_process_0_leaves_after_the_timeout_when_a_peer_never_says_so(monkeypatc
     client, left = FakeClient(), []
     Peers(0, 2, client).leave_in_order(left.append, 75, 0.3)
     assert left == [75]
+
+
+def test_process_0_leaves_with_its_code_whatever_its_wait_meets_and_only_the_client_s_error_is_quiet() -> None:
+    """The service failing (the client's JaxRuntimeError) ends the wait; any other error (a fault of
+    the wait itself) still leaves with the code, and surfaces where `leave` returns (a test's)."""
+    from jax.errors import JaxRuntimeError
+
+    class Failing(FakeClient):
+        def __init__(self, error: Exception) -> None:
+            super().__init__()
+            self.error = error
+
+        def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+            raise self.error
+
+    left: list[int] = []
+    Peers(0, 2, Failing(JaxRuntimeError("UNAVAILABLE: the service is gone"))).leave_in_order(left.append, 75, 60.0)
+    assert left == [75]
+    with pytest.raises(RuntimeError, match="changed size"):
+        Peers(0, 2, Failing(RuntimeError("dictionary changed size during iteration"))).leave_in_order(
+            left.append, 75, 60.0)
+    assert left == [75, 75]
