@@ -127,10 +127,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """One line: how many processes the tests started as forks, how many fresh and why (the
-    variables their environment changed), so a run that lost the server's gain says so."""
+    """Which tier ran (`tier_line`), and how many processes the tests started as forks, how many
+    fresh and why (the variables their environment changed), so a run that lost the server's gain
+    says so."""
     if os.environ.get("PYTEST_XDIST_WORKER") or "dir" not in SESSION:
         return
+    if (SESSION["dir"] / "tiers.txt").exists():
+        terminalreporter.write_line((SESSION["dir"] / "tiers.txt").read_text())
     forked, fresh = 0, {}
     for tally in sorted(SESSION["dir"].glob("fork-tally-*.json")):
         counts = json.loads(tally.read_text())
@@ -320,18 +323,23 @@ def split_tiers(items: list[pytest.Item], markexpr: str, args: list[str]) -> tup
     return [item for item in items if not item.get_closest_marker("deep")], deep
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """Which tier this session runs, so a log says what its pass means."""
-    if deep_is_asked(config.option.markexpr or "", list(config.args)):
-        return f"tiers: as selected (-m {config.option.markexpr!r}; docs/tests.md)"
-    return "tiers: the landing tier (pytest -m deep runs the deep tier; docs/tests.md)"
+def tier_line(asked: bool, markexpr: str, left_out: int) -> str:
+    """The summary's line on which tier the session ran, so a log says what its pass means."""
+    if asked:
+        return f"tiers: the tests -m {markexpr!r} selects (docs/tests.md)" if markexpr else \
+            "tiers: the tests named, whatever their tier (docs/tests.md)"
+    return (f"tiers: the landing tier; {left_out} deep test{'s' * (left_out != 1)} left out (pytest -m deep "
+            "runs the deep tier; docs/tests.md)")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    kept, deep = split_tiers(items, config.option.markexpr or "", list(config.args))
+    markexpr, args = config.option.markexpr or "", list(config.args)
+    kept, deep = split_tiers(items, markexpr, args)
     if deep:
         config.hook.pytest_deselected(items=deep)
         items[:] = kept
+    if "dir" in SESSION:  # for the summary, which the xdist controller writes without collecting
+        (SESSION["dir"] / "tiers.txt").write_text(tier_line(deep_is_asked(markexpr, args), markexpr, len(deep)))
     slowest_files_first(items)
 
 

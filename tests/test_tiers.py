@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.conftest import deep_is_asked, split_tiers
+from tests.conftest import deep_is_asked, split_tiers, tier_line
 
 
 def test_an_unmarked_test_that_starts_a_process_fails() -> None:
@@ -60,3 +60,11 @@ def test_a_test_in_both_tiers_is_refused_naming_it() -> None:
     both = FakeItem("t.py::both", {"e2e", "deep"})
     with pytest.raises(pytest.UsageError, match=r"1 test\(s\) marked both e2e and deep, e\.g\. t\.py::both"):
         split_tiers([FAST, both, DEEP], "", [])  # type: ignore[list-item]
+
+
+def test_the_summary_says_which_tier_ran() -> None:
+    assert tier_line(False, "", 131) == ("tiers: the landing tier; 131 deep tests left out (pytest -m deep runs "
+                                         "the deep tier; docs/tests.md)")
+    assert tier_line(False, "", 1).startswith("tiers: the landing tier; 1 deep test left out (")
+    assert tier_line(True, "deep", 0) == "tiers: the tests -m 'deep' selects (docs/tests.md)"
+    assert tier_line(True, "", 0) == "tiers: the tests named, whatever their tier (docs/tests.md)"
