@@ -178,7 +178,6 @@ def test_the_family_key_is_part_of_the_spec() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_remat_auto_saves_only_the_weight_matmuls_when_scanned_and_nothing_is_recomputed_unrolled(family) -> None:
     """job.model.remat=auto (the default): a scanned stack is rematerialised with the dots policy
     (its forward's jaxpr has a checkpoint whose policy is checkpoint_dots_with_no_batch_dims), an unrolled

@@ -78,7 +78,6 @@ CASES = [(LlamaFamily, llama, scan, fmt) for scan in (True, False) for fmt in ("
 
 
 @pytest.mark.parametrize("family,make,scan,fmt", CASES)
-@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_every_matmul_in_scope_runs_quantized_both_ways_and_every_parameter_learns(family, make, scan, fmt) -> None:
     """The step's jaxpr: each in-scope matmul takes quantized operands forward (e4m3 or int8) and
     both of its gradient matmuls do too (e5m2 gradients for fp8), no more and no fewer; the

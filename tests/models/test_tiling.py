@@ -57,7 +57,6 @@ def _namespace() -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt", "moe"])
-@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_tiles_give_the_untiled_loss_and_every_gradient_under_an_outer_scale(name: str) -> None:
     """One device: loss_tiles 4, mlp_tiles 8 (dense MLPs), both, against the untiled model with the
     same parameters: the loss, each token's loss and argmax hit, and every gradient within float32

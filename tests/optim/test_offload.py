@@ -50,7 +50,6 @@ def assert_same_state(a: Any, b: Any) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_the_state_lives_in_host_memory_trains_the_same_numbers_and_resumes_either_way(tmp_path) -> None:
     """Saved with the state in host memory, resumed without it, and the other way round: both end
     bit for bit where the uninterrupted run without it ends; the compiled step's entry takes and

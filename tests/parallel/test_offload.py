@@ -21,7 +21,6 @@ from tests.parallel.test_compile import _summary, needs_libtpu
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
-@pytest.mark.deep  # in-process, but 30-160 s a worker (docs/tests.md): the file's quicker tests land
 def test_the_offload_policy_gives_the_full_remat_gradients(name: str) -> None:
     """The layers tagged and rematerialised by the offload policy (scanned and unrolled) give the
     loss and every gradient of remat=full (here on the CPU, which ignores the placement)."""
