@@ -380,6 +380,8 @@ class TrainSpec(_Frozen):
     time_limit_margin_s: float = 30.0  # room kept for the final save
     max_steps_this_launch: int = 0  # run this many more steps, then checkpoint and exit 75; 0: no limit
     stop_file: str = "STOP"  # its appearance (relative to run.dir) stops the run cleanly; "": off
+    # data-stream windows [start, end) of batches never trained on (docs/spikes.md); []: none
+    skip_batches: list[list[int]] = field(default_factory=list, hash=False)
 
     def check(self, spec: ExecutionSpec) -> None:
         """Sizes are positive, a sequence fits the model's context and a batch splits into its micro-batches."""
@@ -394,6 +396,7 @@ class TrainSpec(_Frozen):
             ("batch_size", lambda v: not v % self.accumulate_steps,
              f"it is not divisible by train.accumulate_steps={self.accumulate_steps}.",
              "choose a batch size that is a multiple of the number of micro-batches.")))
+        _check_windows("train.skip_batches", self.skip_batches)
 
 
 @dataclass(frozen=True)
@@ -451,20 +454,38 @@ def evaluator_spec(entry: Any, key: str) -> EvaluatorSpec:
 
 @dataclass(frozen=True)
 class GuardSpec(_Frozen):
-    """guard: what a step with a non-finite or spiking loss does."""
+    """guard: what a step with a non-finite loss, or a loss spike, does (docs/spikes.md)."""
 
     nonfinite: str = "stop"  # a NaN/Inf loss or grad norm: stop (save last good state) | skip | off
     max_consecutive_skips: int = 10  # more skipped steps in a row than this stops the run
-    spike_factor: float = 0.0  # skip steps whose loss exceeds this times the rolling mean; 0: off
-    spike_window: int = 100  # steps the rolling mean spans
-    spike_warmup: int = 100  # healthy steps before spikes are judged
+    # a loss or grad norm above the band of its rolling window: off | skip (that update) | stop | rewind
+    spike: str = "off"
+    spike_window: int = 128  # healthy steps whose loss and grad norm the band's mean and deviation span
+    spike_sigma: float = 6.0  # the band's top: the window's mean plus this many standard deviations
+    spike_on: str = "loss"  # what is judged: loss | grad_norm | either (OLMo-core's and MaxText's rule)
+    spike_warmup: int = 128  # healthy steps seen before spikes are judged (at least 2)
+    spike_count: int = 1  # stop and rewind act when this many spikes come ...
+    spike_within: int = 1  # ... within this many steps of the first (1, 1: at the first spike)
+    rewind_back: int = 100  # rewind: to the newest checkpoint at least this many steps before the first spike
+    rewind_skip: int = 200  # rewind: data-stream batches skipped from that checkpoint's position on
+    max_rewinds: int = 3  # a spike past this many rewinds stops the run as the numerical guard stops it
 
     def check(self, spec: ExecutionSpec) -> None:
         _check_rules("guard", self, (
-            ("nonfinite", ("stop", "skip", "off")), ("max_consecutive_skips", ">= 0"), ("spike_factor", ">= 0"),
-            ("spike_factor", lambda v: not 0 < v <= 1, "a spike is a loss above this multiple of the "
-             "rolling mean, so it must be > 1 (or 0 for off).", "use e.g. 2.0."),
-            ("spike_window", "> 0"), ("spike_warmup", ">= 0")))
+            ("nonfinite", ("stop", "skip", "off")), ("max_consecutive_skips", ">= 0"),
+            ("spike", ("off", "skip", "stop", "rewind")), ("spike_window", "> 0"), ("spike_sigma", "> 0"),
+            ("spike_on", ("loss", "grad_norm", "either")),
+            ("spike_warmup", lambda v: v >= 2, "a standard deviation needs at least two healthy steps.",
+             "use e.g. guard.spike_warmup=128."),
+            ("spike_count", "> 0"),
+            ("spike_within", lambda v: v >= self.spike_count,
+             f"{self.spike_count} spikes (guard.spike_count) cannot come within fewer steps.",
+             f"use guard.spike_within >= {self.spike_count}."),
+            ("rewind_back", ">= 0"), ("rewind_skip", "> 0"), ("max_rewinds", ">= 0"),
+            ("spike", lambda v: v != "rewind" or bool(spec.checkpoint.every_steps or spec.checkpoint.every_minutes),
+             "a rewind goes back to a checkpoint saved during the run, and this run saves none "
+             "(checkpoint.every_steps=0 and checkpoint.every_minutes=0).",
+             "set checkpoint.every_steps (e.g. 100), or use guard.spike=skip or stop.")))
 
 
 @dataclass(frozen=True)
@@ -723,6 +744,19 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(key, value, "it is not a known choice.", f"use one of: {', '.join(allowed)}.")
 
 
+def _check_windows(key: str, windows: Any) -> None:
+    """train.skip_batches: a list of [start, end) pairs of batch numbers, start < end."""
+    for window in windows or ():
+        if not (isinstance(window, (list, tuple)) and len(window) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in window)):
+            raise ConfigError(key, windows, f"each window must be a pair [start, end] of batch numbers; {window!r} "
+                              "is not.", "write e.g. train.skip_batches=[[1200,1450]].")
+        start, end = window
+        if start < 0 or end <= start:
+            raise ConfigError(key, windows, f"the window [{start}, {end}] is empty or negative: a window is "
+                              "[start, end) with 0 <= start < end.", "write e.g. [[1200,1450]].")
+
+
 def _check_rules(prefix: str, section: Any, rules: tuple[tuple[Any, ...], ...]) -> None:
     """Check a section's fields against its rules, in order, so the first bad value is reported.
     A rule is (field, "> 0" | ">= 0" | the allowed choices) or (field, predicate, problem, fix);
@@ -763,6 +797,21 @@ def scaled_model(model: ModelSpec) -> ModelSpec:
     return dataclasses.replace(model, n_heads=model.scale, d_model=d_model, d_ff=4 * d_model)
 
 
+# Settings that existed once, with what replaced them: refused with this fix (docs/spikes.md, "Migrating").
+RETIRED = {
+    "guard.spike_factor": ("runner no longer has this setting: a loss above a multiple of its moving average was "
+                           "replaced by a band of the rolling window's mean and deviation of the loss and the "
+                           "gradient norm.",
+                           "use guard.spike=skip (the same policy) with guard.spike_sigma (default 6) for the band, "
+                           "guard.spike_window and guard.spike_warmup as before; see docs/spikes.md."),
+}
+
+
+def retired(key: str) -> Optional[tuple[str, str]]:
+    """(problem, fix) for a setting runner no longer has, if `key` is one."""
+    return RETIRED.get(key.lstrip("+~"))
+
+
 def unknown_keys(cfg: Any, schema: type | None = None, prefix: str = "") -> list[tuple[str, Any]]:
     """Keys of a composed config that no spec dataclass has (added with `+key=...`): OmegaConf
     lets them through and only the frozen dataclass refuses them, with a traceback."""
@@ -793,6 +842,8 @@ def resolve_spec(cfg: DictConfig | dict, overrides: list[str] | tuple[str, ...] 
     if isinstance(cfg, dict):
         cfg = OmegaConf.merge(schema_node(), cfg)
     for key, value in unknown_keys(cfg)[:1]:
+        if retired(key):
+            raise ConfigError(key, value, *retired(key))
         raise ConfigError(key, value, "runner has no setting of that name.",
                           "remove it, or check its spelling and section: `python -m runner --cfg job` prints every "
                           "key with its value.")

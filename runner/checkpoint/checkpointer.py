@@ -11,7 +11,8 @@ Orbax writes each step into a temporary directory and renames it on commit (on g
 rename is a copy, into the step directory itself, committed by a final commit_success.txt), so
 an interrupted save is never picked up; leftovers are removed when the manager opens. Which steps are saved is
 `SavePolicy`'s call (step interval, time interval, best-metric evaluations, the last step);
-which are kept is orbax's preservation policies (newest K, every P-th, best K).
+which are kept is orbax's preservation policies (newest K, every P-th, best K, and with
+guard.spike=rewind one old enough to rewind to).
 
 Named snapshots (`save_named`) lie outside that rotation, in `<run.dir>/snapshots/<name>/`,
 with the same state/ and meta/ layout, so run.init_from and mode=eval read them too.
@@ -19,11 +20,12 @@ with the same state/ and meta/ layout, so run.init_from and mode=eval read them 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import orbax.checkpoint as ocp
@@ -36,6 +38,8 @@ from runner.spec import CheckpointSpec
 log = logging.getLogger(__name__)
 
 STATE, META = "state", "meta"
+# beside checkpoints/: steps that failed to load, and steps of a timeline a rewind or a skip left
+DAMAGED, ABANDONED = "damaged_checkpoints", "abandoned_checkpoints"
 
 
 class CheckpointWriteError(UserError):
@@ -145,8 +149,26 @@ class SavePolicy:
         return {self.metric: self._measured[1]}
 
 
-def _preservation_policy(spec: CheckpointSpec) -> policies.PreservationPolicy:
+@dataclasses.dataclass
+class RewindReach(policies.PreservationPolicy):
+    """Keeps the newest checkpoint at least `back` steps older than the next step, whatever the
+    other policies say, so that a loss spike found later has a checkpoint to rewind to
+    (guard.spike=rewind: `back` is guard.rewind_back plus the spike rule's reach)."""
+
+    back: int
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> Sequence[bool]:
+        if not checkpoints:
+            return []
+        reach = checkpoints[-1].step + 1 - self.back
+        old_enough = [i for i, c in enumerate(checkpoints) if c.step <= reach]
+        return [bool(old_enough) and i == old_enough[-1] for i in range(len(checkpoints))]
+
+
+def _preservation_policy(spec: CheckpointSpec, rewind_back: Optional[int] = None) -> policies.PreservationPolicy:
     keep: list[policies.PreservationPolicy] = [policies.LatestN(spec.keep)]
+    if rewind_back is not None:
+        keep.append(RewindReach(rewind_back))
     if spec.keep_every:
         keep.append(policies.EveryNSteps(spec.keep_every))
     if spec.keep_best:
@@ -171,7 +193,9 @@ def _best_value(spec: CheckpointSpec) -> Callable[[dict[str, Any]], float]:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every process calls every method."""
 
-    def __init__(self, directory: Any, spec: CheckpointSpec, policy: Optional[SavePolicy] = None) -> None:
+    def __init__(self, directory: Any, spec: CheckpointSpec, policy: Optional[SavePolicy] = None,
+                 rewind_back: Optional[int] = None) -> None:
+        """`rewind_back`: also keep the newest checkpoint at least that many steps old (`RewindReach`)."""
         self.directory = storage.absolute(directory)
         self.spec = spec
         self.policy = policy or SavePolicy(spec)
@@ -180,7 +204,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             # runner decides when (SavePolicy) and saves with force=True; orbax never saves by itself
             save_decision_policy=policies.SpecificStepsPolicy(steps=()),
-            preservation_policy=_preservation_policy(spec),
+            preservation_policy=_preservation_policy(spec, rewind_back),
             # With best_fn set orbax also writes each save's metrics (checkpoints/<step>/metrics),
             # so the ranking survives restarts.
             best_fn=_best_value(spec) if spec.keep_best else None,
@@ -276,15 +300,18 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state: Any, on_damaged: str = "fallback",
                        warn: Callable[[str], None] = log.warning,
-                       check: Callable[[dict[str, Any]], None] = lambda meta: None) -> Restored | None:
+                       check: Callable[[dict[str, Any]], None] = lambda meta: None,
+                       ours: Callable[[dict[str, Any]], bool] = lambda meta: True) -> Restored | None:
         """Restore the newest complete checkpoint into `abstract_state`'s shapes and shardings.
 
         Each candidate's meta is read and passed to `check` first (which raises to refuse a
         checkpoint of another model or other data) so that a refused checkpoint is never
         mistaken for a damaged one. A checkpoint whose files fail to load is reported and,
-        with ``on_damaged="fallback"``, set aside in favour of the previous one.
+        with ``on_damaged="fallback"``, set aside in favour of the previous one. A checkpoint that
+        is not `ours` (trained on data the run now skips: runner.data.skips) is set aside too.
         """
         damaged: list[int] = []
+        abandoned: list[int] = []
         try:
             for step in reversed(self.steps()):
                 meta = self._attempt(step, on_damaged, warn, lambda: self.read_meta(step))
@@ -292,6 +319,9 @@ class Checkpointer:
                     damaged.append(step)
                     continue
                 check(meta)
+                if not ours(meta):
+                    abandoned.append(step)
+                    continue
                 state = self._attempt(step, on_damaged, warn, lambda: self._restore_checked(step, abstract_state, meta))
                 if state is None:
                     damaged.append(step)
@@ -303,6 +333,8 @@ class Checkpointer:
         finally:
             if damaged:
                 self._set_aside(damaged)
+            if abandoned:
+                self._set_aside(abandoned, ABANDONED)
 
     def _restore_checked(self, step: int, abstract_state: Any, meta: dict[str, Any]) -> Any:
         state = self.manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)}))
@@ -325,16 +357,26 @@ class Checkpointer:
             warn(f"checkpoint {where} is damaged ({reason}); falling back to the previous one")
             return None
 
-    def _set_aside(self, steps: list[int]) -> None:
-        """Move damaged steps out of the manager's sight (kept for inspection, never deleted),
-        so the resumed run can save those step numbers again."""
+    def abandon_after(self, step: int) -> list[int]:
+        """Set aside every checkpoint newer than `step` (a rewind to it: they were trained on data
+        the run now skips); pending saves are awaited first. Returns their steps."""
+        self.wait()
+        newer = [s for s in self.steps() if s > step]
+        if newer:
+            self._set_aside(newer, ABANDONED)
+        self.saved_step = step if step in self.steps() else None
+        return newer
+
+    def _set_aside(self, steps: list[int], folder: str = DAMAGED) -> None:
+        """Move damaged (or abandoned) steps out of the manager's sight (kept for inspection, never
+        deleted), so the resumed run can save those step numbers again."""
         if jax.process_index() == 0:
-            aside = self.directory.parent / "damaged_checkpoints"
+            aside = self.directory.parent / folder
             for step in steps:
                 target = aside / f"{step}-{int(time.time())}"
                 storage.move_tree(self.directory / str(step), target)
-                log.warning("moved damaged checkpoint %s to %s", step, target)
-        ocp.multihost.sync_global_processes("runner_set_aside_damaged")
+                log.warning("moved %s checkpoint %s to %s", folder.split("_")[0], step, target)
+        ocp.multihost.sync_global_processes(f"runner_set_aside_{folder}")
         self.manager.reload()
 
 

@@ -1,9 +1,11 @@
 """Host-local training batches, prefetched by grain, laid out so a batch is a function of its step.
 
 Row layout: with micro-batch size ``B = global_batch // accumulate_steps``, row ``b`` of micro-batch
-``m`` of step ``s`` is global row ``s * global_batch + m * B + b`` of the dataset. Process ``p`` of
-``P`` owns rows ``b`` in ``[p * B/P, (p+1) * B/P)`` of every micro-batch and reads only those, so
-the union over processes is the same global batch whatever ``P`` is.
+``m`` of step ``s`` is global row ``d * global_batch + m * B + b`` of the dataset, where ``d`` is the
+data-stream batch of step ``s``: ``s`` itself, or later past the windows a run skips
+(runner.data.skips). Process ``p`` of ``P`` owns rows ``b`` in ``[p * B/P, (p+1) * B/P)`` of every
+micro-batch and reads only those, so the union over processes is the same global batch whatever
+``P`` is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterator
 import grain
 import numpy as np
 
+from runner.data.skips import DataSkips
 from runner.errors import ConfigError
 
 Batch = dict[str, np.ndarray]  # "x", "y", "mask": (accumulate_steps, B/P, seq_len)
@@ -30,6 +33,7 @@ class RowLayout(grain.transforms.DatasetSelectionMap):
     accumulate_steps: int
     process_index: int
     process_count: int
+    skips: DataSkips = DataSkips()
 
     @property
     def local_micro(self) -> int:
@@ -42,6 +46,7 @@ class RowLayout(grain.transforms.DatasetSelectionMap):
     def global_row(self, k: int) -> int:
         step, r = divmod(int(k), self.rows_per_step)
         micro, b = divmod(r, self.local_micro)
+        step = self.skips.position(step) if self.skips else step
         return step * self.global_batch + micro * self.micro_batch + self.process_index * self.local_micro + b
 
     def __len__(self) -> int:
@@ -69,6 +74,7 @@ class BatchLoader(Iterator[Batch]):
         process_count: int = 1,
         prefetch: int = 2,
         num_threads: int = 2,
+        skips: DataSkips = DataSkips(),
     ) -> None:
         _check_layout(global_batch, accumulate_steps, process_count)
         if not 0 <= process_index < process_count:
@@ -76,7 +82,7 @@ class BatchLoader(Iterator[Batch]):
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         self.layout = RowLayout(
-            global_batch, global_batch // accumulate_steps, accumulate_steps, process_index, process_count
+            global_batch, global_batch // accumulate_steps, accumulate_steps, process_index, process_count, skips
         )
         self.shape = (accumulate_steps, self.layout.local_micro)
         rows = grain.MapDataset.select_from_datasets([dataset], self.layout)

@@ -147,6 +147,8 @@ def _composition_error(err: Exception) -> str:
     Hydra's config search path."""
     import re
 
+    from runner.spec import retired
+
     parts: list[str] = []
     seen: BaseException | None = err
     while seen is not None and len(parts) < 4:
@@ -157,6 +159,9 @@ def _composition_error(err: Exception) -> str:
         seen = seen.__cause__ or seen.__context__
     message = ": ".join(parts)
     unknown = re.search(r"Could not override '([^']+)'\. To append to your config use \+\S+", message)
+    if unknown and retired(unknown.group(1)):
+        problem, fix = retired(unknown.group(1))
+        return f"Invalid config `{unknown.group(1)}`: {problem} Fix: {fix}"
     if unknown:
         return (f"Invalid config `{unknown.group(1)}`: runner has no setting of that name (every setting exists "
                 "already, so there is nothing to add with +). Fix: check its spelling and section: "

@@ -22,7 +22,7 @@ from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
 
 __all__ = ["MODEL_FAMILIES", "ModelFamily", "check_spec", "context_choice", "family_for", "import_hf_params",
-           "model_config", "with_hf_settings"]
+           "model_config", "place_hf_params", "with_hf_settings"]
 
 
 def family_for(spec: ExecutionSpec) -> Any:
@@ -215,3 +215,19 @@ def import_hf_params(spec: ExecutionSpec, config: Any, abstract_params: Any) -> 
     tensors = hf.HFTensors(where, getattr(family, "hf_base_prefix", ""))
     buffers = family.hf_buffers(config) if hasattr(family, "hf_buffers") else {}
     return hf.import_params(family.hf_layout(config), tensors, shapes, config.scan_layers, where, buffers)
+
+
+def place_hf_params(spec: ExecutionSpec, params: Any, abstract_params: Any) -> Any:
+    """A warm start's imported parameters (numpy, from the job's `import_hf`) on the devices, in the
+    dtypes and shardings of `abstract_params`; process 0 says what was imported and from where."""
+    import jax
+    import numpy as np
+
+    placed = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), params, abstract_params)
+    if jax.process_index() == 0:
+        m = spec.job.model
+        print(f"warm start: parameters from the Hugging Face model {spec.run.init_from[len(hf.HF_PREFIX):]} "
+              f"({m.hf.architecture or m.family}: d_model={m.d_model}, n_layers={m.n_layers}, "
+              f"n_heads={m.n_heads}, vocab_size={m.vocab_size}; job.model settings from its config.json)",
+              flush=True)
+    return placed

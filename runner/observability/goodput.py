@@ -11,7 +11,9 @@
     checkpoint_local  local-tier saves (checkpoint.local.dir), likewise
     recomputed  steps an earlier launch trained after its last checkpoint and lost when it died;
                 this launch trains them again. Counted up to the last step it logged (so to within
-                train.log_every), at the mean time of its logged steps
+                train.log_every), at the mean time of its logged steps. Also the steps a rewind
+                undid (runner.train.rewind), at the time of the step before it; its restore is
+                "restore"
 
 goodput = (train - recomputed) / wall, summed over launches. The totals of earlier launches travel
 in every checkpoint's metadata, so a resumed run adds to them; a launch's time after its last
@@ -28,7 +30,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 CATEGORIES = ("startup", "restore", "compile", "train", "data_wait", "eval", "checkpoint", "checkpoint_local",
               "recomputed")
-PAUSES = ("eval", "checkpoint", "checkpoint_local")  # loop time that is not training
+PAUSES = ("eval", "checkpoint", "checkpoint_local", "restore")  # loop time that is not training (restore: a rewind)
 
 _launch_started: Optional[float] = None
 
@@ -89,13 +91,18 @@ class Goodput:
         self.launches_before = max([self.launches_before, *(
             int(r["goodput/launches"]) for r in lost_steps if "goodput/launches" in r and int(r["step"]) > restored)])
 
+    def undone(self, steps: int, seconds: float) -> None:
+        """A rewind undid `steps` steps trained in `seconds`: they count as recomputed, not useful."""
+        self.recomputed_steps += steps
+        self.spent["recomputed"] += seconds
+
     def _mark(self) -> dict[str, float]:
         return {c: self.spent[c] for c in PAUSES}
 
     def start_loop(self) -> None:
         self.loop_started = self.clock()
         self.spent["startup"] = max(0.0, self.loop_started - self.started - sum(
-            self.spent[c] for c in ("restore", "compile", *PAUSES)))
+            self.spent[c] for c in {"compile", *PAUSES}))
         self._marks = [self._mark()]
 
     def end_loop(self) -> None:
@@ -138,6 +145,6 @@ def summary_line(report: Mapping[str, float]) -> str:
                       if report.get(f"goodput/{c}_s", 0.0) >= 0.05)
     launches = int(report["goodput/launches"])
     recomputed = int(report["goodput/recomputed_steps"])
-    redo = f"; {recomputed} steps recomputed after a crash" if recomputed else ""
+    redo = f"; {recomputed} steps recomputed after a crash or a rewind" if recomputed else ""
     return (f"  goodput {report['goodput/percent']:.1f}% of {report['goodput/wall_s']:.1f}s over {launches} "
             f"launch{'es' if launches != 1 else ''}{redo}: {parts}")

@@ -106,11 +106,29 @@ class JsonLines:
                 "Fix: check the bucket and the network, then rerun the same command to resume.") from None
         self._pending, self._uploaded = False, self.clock()
 
+    def truncate(self, last_step: int) -> None:
+        """Drop the records of steps after `last_step` (a rewind undid them), and go on appending."""
+        if self._file is not None:
+            self._file.close()
+            truncate_jsonl(self.path, last_step)
+            self._file = open(self.path, "a")
+            return
+        self._lines = [line for line in self._lines if _step_of(line) <= last_step]
+        self._pending = True
+        self.sync()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         self.sync()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 0
 
 
 class Progress:
@@ -250,6 +268,23 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(key, value, step)
             if not self._file.remote:  # remote: uploaded with metrics.jsonl, at sync()
                 self.tensorboard.flush()  # as metrics.jsonl: what was logged survives a kill
+
+    def event(self, text: str) -> None:
+        """A line the run's reader must see whatever logging.progress says (a rewind); process 0."""
+        if self.active:
+            self.progress.console.print(text)
+
+    def rewound(self, step: int) -> None:
+        """The run went back to `step`: metrics.jsonl and TensorBoard forget the steps after it, as
+        after a resume. (wandb cannot: its history keeps them, and the recomputed steps up to the
+        newest one it has are dropped by wandb with a warning.)"""
+        if not self.active:
+            return
+        assert self._file is not None
+        self._file.truncate(step)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = self._start_tensorboard(self.path.parent, step)
 
     def sync(self) -> None:
         """Make everything logged so far durable (before a checkpoint save; see JsonLines)."""

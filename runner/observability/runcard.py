@@ -1,16 +1,19 @@
 """The run card: what this run is, in one Markdown file in its run directory.
 
 Written at start (parameters, FLOPs per token, mesh, per-device memory estimate, the resolved
-spec) and rewritten at the end with the final metrics.
+spec) and rewritten at the end with the final metrics. `RunCard` does both for a training job;
+the facts are kept here, not in the trainer, because they only describe the run.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from omegaconf import OmegaConf
 
 from runner.checkpoint.files import atomic_write
+from runner.observability.metrics import METRICS_FILE
+from runner.parallel.compile import attention_summary
 
 RUN_CARD = "RUN_CARD.md"
 
@@ -100,3 +103,59 @@ def summary(spec: Any, step: int, restored_step: Optional[int], seconds: float, 
     lines.append(f"  checkpoint: {checkpoint}")
     lines.append(f"  metrics:    {metrics_file}")
     return "\n".join(lines)
+
+
+def job_facts(job: Any) -> dict[str, Any]:
+    """`run_facts` of a job whose train step is compiled (a BaseTrainer), with what the job adds:
+    the basis of its rates, its active parameters, attention, tiles, pipeline and quantization."""
+    state = job.state
+    facts = run_facts(state.params, job.flops_per_token(), job.mesh, job.program.train_executable(state), state)
+    facts["throughput"] = job.throughput.describe()
+    active = job.active_param_count()
+    if active is not None and active != facts["parameters"]:
+        facts["active_parameters"] = active
+    if getattr(job, "attention", ""):
+        facts["attention"] = attention_summary(job)
+    facts["tiling"] = job.tiling()
+    facts["pipeline"] = job.pipeline_schedule()
+    quantized = getattr(job, "quantization", "")
+    if quantized:
+        facts["quantization"] = quantized
+    return facts
+
+
+class RunCard:
+    """One launch's run card, of a training job (a BaseTrainer): the facts are gathered once its
+    train step is compiled and the card written then, and again when the run finishes."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self.facts: dict[str, Any] = {}
+
+    def start(self, say: Callable[[str], None]) -> None:
+        """Gather the facts (warning of what the platform runs slowly), print them and write the card."""
+        job = self.job
+        self.facts = job_facts(job)
+        if self.facts.get("quantization"):
+            for warning in job.quantization_warnings():
+                job.warn(warning)
+        self.facts["checkpoints"] = job.checkpoints.describe(job.restored_step, job.restored_from)
+        for line in summary_lines(self.facts):
+            say(line)
+        self._write(None)
+
+    def end(self, seconds: float, goodput_line: str, say: Callable[[str], None]) -> None:
+        """The summary a finished run prints, then where its time went; the card again, with the final
+        metrics and the tiers' line with the local saves this launch had to skip."""
+        job = self.job
+        say(summary(job.spec, job.step, job.restored_step, seconds, job.last_metrics, job.last_eval,
+                    job.checkpointer.directory / str(job.step), job.run_dir / METRICS_FILE))
+        say(goodput_line)
+        self.facts["checkpoints"] = job.checkpoints.describe(job.restored_step, job.restored_from)
+        self._write({**job.last_metrics, **job.last_eval})
+
+    def _write(self, final: Optional[Mapping[str, float]]) -> None:
+        import jax
+
+        if jax.process_index() == 0:
+            write(self.job.run_dir, self.job.spec, self.facts, final)

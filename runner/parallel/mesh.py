@@ -29,7 +29,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from runner.errors import ConfigError, UserError
-from runner.parallel.topology import parse_topology
+from runner.parallel.topology import Topology, check_devices, parse_topology
 
 MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over all three
@@ -159,6 +159,16 @@ def mesh_shape(spec: Any, num_devices: int) -> dict[str, int]:
     m = spec.mesh
     return resolve_mesh_shape(m.data, m.fsdp, m.tensor, num_devices, expert=m.expert, context=m.context,
                               stage=m.stage)
+
+
+def run_mesh(spec: Any, devices: Sequence[Any] | None = None) -> tuple[Topology, list[Any], Mesh]:
+    """The topology spec.topology names, the devices (by default jax.devices()) checked against it
+    so a wrong one fails before anything is built, and the run's mesh over them."""
+    topology = parse_topology(spec.topology)
+    devices = list(jax.devices() if devices is None else devices)
+    check_devices(topology, devices)
+    mesh = make_mesh(mesh_shape(spec, len(devices)), devices, num_slices=max(topology.num_slices or 1, 1))
+    return topology, devices, mesh
 
 
 def check_context(spec: Any, context: int, tensor: int = 0) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
@@ -25,9 +26,14 @@ import jax
 from runner.checkpoint import checkpointer as ckpt
 from runner.checkpoint import checksum, local_tier, replicas, storage
 from runner.errors import first_line
+from runner.models import place_hf_params
+from runner.models.hf import HF_PREFIX
+from runner.observability.goodput import Goodput
+from runner.observability.metrics import METRICS_FILE, truncate_jsonl
 from runner.parallel.distributed import all_processes, any_process, from_process, steps_by_process
 from runner.spec import ExecutionSpec
 from runner.train.loop import Component, Loop
+from runner.train.rewind import RewindJournal
 from runner.train.state import state_tree
 
 SNAPSHOTS = "snapshots"
@@ -35,15 +41,29 @@ SNAPSHOTS = "snapshots"
 
 class Saved(Protocol):
     """What is saved (the trainer): its state and step, the record kept beside them, and what
-    happens around every save (callbacks, a metrics flush, goodput)."""
+    every save touches around it (`Checkpointing.saving`)."""
 
     state: Any
     step: int
     mesh: Any
+    callbacks: Any  # runner.train.callbacks.Callbacks: on_save_start, on_save_end
+    logger: Any  # the metrics logger while training (else None): flushed before a save can commit
+    goodput: Goodput
 
     def checkpoint_meta(self) -> dict[str, Any]: ...
 
-    def saving(self, step: int, tier: str = "durable") -> ContextManager[None]: ...
+    def watching(self, phase: str, step: int) -> ContextManager[None]: ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a launch took up the run: the step it restored (None: a fresh start), where from (tier
+    and directory), which tier, and the wandb run it continues."""
+
+    step: Optional[int] = None
+    source: str = ""
+    tier: str = ""
+    wandb_run_id: Optional[str] = None
 
 
 class Checkpointing(Component):
@@ -64,7 +84,14 @@ class Checkpointing(Component):
         policy = ckpt.SavePolicy(self.spec.checkpoint, warn=self.warn,
                                  agree=any_process if jax.process_count() > 1 else None,
                                  agree_every=self.spec.distributed.stop_check_every)
-        return ckpt.Checkpointer(self.run_dir / "checkpoints", self.spec.checkpoint, policy)
+        g = self.spec.guard  # a rewind needs a checkpoint old enough to go back to (runner.train.rewind)
+        reach = g.rewind_back + g.spike_within - 1 if g.spike == "rewind" else None
+        return ckpt.Checkpointer(self.run_dir / "checkpoints", self.spec.checkpoint, policy, rewind_back=reach)
+
+    @functools.cached_property
+    def journal(self) -> RewindJournal:
+        """The run's rewinds and the data windows it skips (read on first use: mode=compile never does)."""
+        return RewindJournal(self.spec, self.run_dir)
 
     @functools.cached_property
     def local(self) -> Optional[local_tier.LocalTier]:
@@ -103,12 +130,31 @@ class Checkpointing(Component):
 
     # ------------------------------------------------------------------ saving
 
+    @contextlib.contextmanager
+    def saving(self, step: int, tier: str = "durable") -> Iterator[None]:
+        """Around every save: the callbacks, the metrics it covers logged before it can commit (a
+        durable save cannot go ahead without them), and its time counted as checkpointing, per tier."""
+        owner = self.owner
+        owner.callbacks.dispatch("on_save_start", step=step)
+        if owner.logger is not None:
+            try:
+                owner.logger.sync()
+            except ckpt.StorageUnavailable as err:  # the durable tier stops the run; a local save still protects it
+                if tier == "durable":
+                    raise
+                self.warn(f"{err} The local save of step {step} goes ahead; its metrics stay in memory until an "
+                          "upload succeeds.")
+        category = "checkpoint" if tier == "durable" else "checkpoint_local"
+        with owner.watching("save", step), owner.goodput.timing(category):
+            yield
+        owner.callbacks.dispatch("on_save_end", step=step)
+
     def save(self) -> bool:
         """Save the owner's current step (unless saved already); asynchronous unless configured."""
         step = self.owner.step
         if self.checkpointer.saved_step == step:
             return False
-        with self._durable(), self.owner.saving(step):
+        with self._durable(), self.saving(step):
             saved = self.checkpointer.save(step, state_tree(self.owner.state), self.owner.checkpoint_meta)
         if saved and self.local is not None:
             self.local_policy.saved(step)  # the durable save covers this step: the local cadence restarts
@@ -136,7 +182,7 @@ class Checkpointing(Component):
         """Save the owner's current step to the local tier (a failure there is a warning)."""
         assert self.local is not None
         step = self.owner.step
-        with self.owner.saving(step, tier="local"):
+        with self.saving(step, tier="local"):
             saved = self.local.save(step, state_tree(self.owner.state), self.owner.checkpoint_meta())
         self.local_policy.saved(step)
         return saved
@@ -173,7 +219,7 @@ class Checkpointing(Component):
             self.durable_newest = self.checkpointer.latest_step()
             restored = self._restore_local(tree, check) if self.local is not None else None
             restored = restored or self.checkpointer.restore_latest(
-                tree, self.spec.checkpoint.on_damaged, warn=self.warn, check=check)
+                tree, self.spec.checkpoint.on_damaged, warn=self.warn, check=check, ours=self.journal.ours)
             if self.local is not None:  # newer local steps of one process are a timeline being recomputed
                 self.local.drop_after(restored.step if restored else -1)
             return restored
@@ -227,6 +273,8 @@ class Checkpointing(Component):
         if rebuilt:  # every process restores with the same record
             meta = json.loads(from_process(min(holders), json.dumps(meta) if mine else None))
         check(meta)  # the same model and data (the same answer on every process)
+        if not self.journal.ours(meta):
+            return None, "it was trained on data the run now skips (train.skip_batches, rewinds.json)"
         state, problem = self._read_local(lambda: local.restore(step, tree, meta)) if mine else \
             (replicas.zeros(tree), None)
         if not all_processes(problem is None):
@@ -258,6 +306,45 @@ class Checkpointing(Component):
         except checksum.ChecksumMismatch as err:
             return str(err)
 
+    def resumed(self, restored: Optional[ckpt.Restored], goodput: Goodput) -> Resumed:
+        """After the restore (None: a fresh start): metrics.jsonl cut back to the restored step (a
+        fresh start logs everything anew), goodput's totals carried on with the steps the cut lost,
+        and the record of where this launch took up the run."""
+        metrics = self.run_dir / METRICS_FILE
+        if restored is None:
+            goodput.carry(None, truncate_jsonl(metrics, -1), 0)
+            return Resumed()
+        step = int(restored.step)
+        goodput.carry(restored.meta.get("goodput"), truncate_jsonl(metrics, step), step)
+        if restored.tier == "local":
+            goodput.local_tier_spared_steps = step - (self.durable_newest or 0)
+        return Resumed(step, self.restored_from(restored), restored.tier, restored.meta.get("wandb_run_id"))
+
+    def finished_already(self, resumed: Resumed) -> None:
+        """A relaunch with nothing left to train. A last step restored from the local tier is not in
+        the durable tier yet (the launch that reached it stopped when its durable save failed): saved
+        there now, before the local tier (a host's disk) can be lost (unless that save committed after all)."""
+        step, steps, run_dir = self.owner.step, self.spec.train.steps, self.run_dir
+        if resumed.tier == "local" and step not in self.checkpointer.steps():
+            self.save_final()
+            if jax.process_index() == 0:
+                print(f"Run {run_dir} had reached step {step} (train.steps={steps}), but that step was only in the "
+                      f"local tier ({resumed.source}); it is now saved to {self.checkpointer.directory}.", flush=True)
+            return
+        if jax.process_index() == 0:
+            print(f"Run {run_dir} already finished at step {step} (train.steps={steps}); nothing to do. Raise "
+                  "train.steps to continue it.", flush=True)
+
+    def warm_start(self, abstract: Any, fresh: Any, import_hf: Callable[[Any], Any]) -> Any:
+        """run.init_from on a `fresh` state: another run's parameters (a new optimizer, step 0), or with
+        run.init_mode=full its whole state; or with `hf:DIR` a Hugging Face model's parameters, read
+        by the job (`import_hf`: its model family's layout) and placed by runner.models."""
+        run = self.spec.run
+        if run.init_from.startswith(HF_PREFIX):
+            return fresh.replace(params=place_hf_params(self.spec, import_hf(abstract.params), abstract.params))
+        tree = ckpt.warm_start(run.init_from, run.init_mode, state_tree(abstract))
+        return abstract.replace(**tree) if run.init_mode == "full" else fresh.replace(params=tree["params"])
+
     def restored_from(self, restored: ckpt.Restored) -> str:
         """Where a restore came from, for the progress line and the run card."""
         if restored.tier != "local":
@@ -285,7 +372,17 @@ class Checkpointing(Component):
                 line += f" ({self.local.skipped} local saves skipped)"
         if restored_step:
             line += f"; restored step {restored_step} from {restored_from}"
+        if self.journal.skips:
+            line += f"; data batches skipped: {self.journal.describe()} ({len(self.journal)} rewinds)"
         return line
+
+    def abandon_after(self, step: int) -> list[int]:
+        """A rewind to `step`: the newer steps of both tiers were trained on data the run now skips.
+        The durable ones are set aside, the local ones dropped; returns the durable ones."""
+        if "local" in self.__dict__ and self.local is not None:
+            self.local.wait()
+            self.local.drop_after(step)
+        return self.checkpointer.abandon_after(step)
 
     def forget_stale_local(self) -> None:
         """After the restore: other layouts' and deleted runs' local checkpoints can never be used."""

@@ -2,13 +2,13 @@
 
     ProfilerWindow  a jax.profiler trace of debug.profile_start .. + debug.profile_steps
     MetricsReport   derived rates, the progress line, metrics.jsonl and wandb every train.log_every
-    StepHooks       the trainer's on_step_start/on_step_end and the configured callbacks
     GuardStop       the numerical guard's policy (guard.*): halts the run
     StopRequests    signals, time limit, launch step limit, stop file (agreed across processes)
     Evaluation      the evaluators, each at its own cadence, plus the start and final evaluations
 
-The checkpoints are a component too (runner.train.checkpointing). The order of the list the
-trainer builds is the order they act in at a step.
+The checkpoints are a component too (runner.train.checkpointing), and so are the user's hooks
+(runner.train.callbacks: the trainer's on_step_start/on_step_end and the configured callbacks).
+The order of the list the trainer builds is the order they act in at a step.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class MetricsReport(Component):
         self.timer = Timer(start_step, spec.train.steps, **({"clock": clock} if clock else {}))
         self.last: dict[str, float] = {}
 
+    def rewound(self, loop: Loop, step: int) -> None:
+        """The restore is no step: the rates start again from the step the run went back to."""
+        self.timer = Timer(step, self.spec.train.steps, self.timer.clock)
+
     def on_metrics(self, loop: Loop, step: int, metrics: dict[str, float]) -> None:
         values = dict(metrics)
         dt, eta = self.timer.tick(step)
@@ -63,7 +67,8 @@ class MetricsReport(Component):
         values["step_time_s"] = dt
         values["data_wait_s"] = float(self.data_wait())
         if values.get("skipped"):
-            self.warn(f"step {step} skipped: loss {values['loss']}, grad norm {values['grad_norm']}")
+            why = "a loss spike" if values.get("spike") else "a non-finite loss or gradient norm"
+            self.warn(f"step {step} skipped ({why}): loss {values['loss']}, grad norm {values['grad_norm']}")
         self.last = values
         self.logger.progress.update(step, values, eta)
         if step % self.spec.train.log_every == 0 or step == self.spec.train.steps or values.get("skipped"):
@@ -78,19 +83,6 @@ class MetricsReport(Component):
         metrics.update(values)  # the components after this one see the derived values too
 
 
-class StepHooks(Component):
-    """The trainer's own step hooks and the configured callbacks' step events."""
-
-    def __init__(self, before: Callable[[int], None], after: Callable[[int, Mapping[str, float]], None]) -> None:
-        self.before, self.after = before, after
-
-    def before_step(self, loop: Loop, step: int) -> None:
-        self.before(step)
-
-    def on_metrics(self, loop: Loop, step: int, metrics: Mapping[str, float]) -> None:
-        self.after(step, metrics)
-
-
 class GuardStop(Component):
     def __init__(self, monitor: GuardMonitor) -> None:
         self.monitor = monitor
@@ -99,6 +91,9 @@ class GuardStop(Component):
         reason = self.monitor.observe(step, dict(metrics))
         if reason:
             loop.halt(reason)
+
+    def rewound(self, loop: Loop, step: int) -> None:
+        self.monitor.rewound()
 
 
 class StopRequests(Component):
@@ -131,5 +126,5 @@ class Evaluation(Component):
         return bool(self._due)
 
     def after_step(self, loop: Loop, step: int) -> None:
-        if self._due:
+        if self._due and not loop.rewinding:  # a step about to be undone is not evaluated
             self.evaluate(self._due)

@@ -98,7 +98,8 @@ class Program:
     def abstract_state(self) -> tuple[Any, Any]:
         """(abstract state, its shardings), computed without touching a device."""
         variables = nn.meta.unbox(self.abstract_variables)  # the model is traced once, here
-        return st.abstract_state(functools.partial(st.state_around, self.job.model, self.tx),
+        return st.abstract_state(functools.partial(st.state_around, self.job.model, self.tx,
+                                                   guard_window=self.spec.guard.spike_window),
                                  (jax.random.PRNGKey(self.spec.seed), variables["params"],
                                   variables.get(MODEL_STATE, {})), self.param_specs, self.mesh,
                                  self.job.logical_axis_rules, offload=self.spec.optimizer.offload == "host")
@@ -109,7 +110,7 @@ class Program:
 
     def create_state(self, key: jax.Array) -> TrainState:
         """A fresh state from `key` (traced: `init_state` runs it sharded)."""
-        return st.create_state(self.job.model, self.tx, key, self.job.init_args())
+        return st.create_state(self.job.model, self.tx, key, self.job.init_args(), self.spec.guard.spike_window)
 
     def init_state(self) -> TrainState:
         """A fresh state, every array created directly on its devices."""

@@ -39,22 +39,24 @@ class TrainState(train_state.TrainState):
         return out
 
 
-def create_state(model: Any, tx: optax.GradientTransformation, key: jax.Array, init_args: Sequence[Any]) -> TrainState:
+def create_state(model: Any, tx: optax.GradientTransformation, key: jax.Array, init_args: Sequence[Any],
+                 guard_window: int = 128) -> TrainState:
     """A fresh state. The parameters are unboxed before the optimizer sees them, so its state
     carries no stale partition metadata (`abstract_state` derives its shardings)."""
     init_key, _ = jax.random.split(key)
     variables = nn.meta.unbox(model.init(init_key, *init_args))
-    return state_around(model, tx, key, variables["params"], variables.get(MODEL_STATE, {}))
+    return state_around(model, tx, key, variables["params"], variables.get(MODEL_STATE, {}), guard_window)
 
 
 def state_around(model: Any, tx: optax.GradientTransformation, key: jax.Array, params: Any,
-                 model_state: Any = None) -> TrainState:
-    """The fresh state `create_state` builds around these parameters (and model state). With the
-    parameters' shapes known already, `jax.eval_shape` of this gives the state's shapes without
-    tracing the model again (about a second of every launch for gpt_10m)."""
+                 model_state: Any = None, guard_window: int = 128) -> TrainState:
+    """The fresh state `create_state` builds around these parameters (and model state), with an
+    empty spike window of `guard_window` steps (guard.spike_window). With the parameters' shapes
+    known already, `jax.eval_shape` of this gives the state's shapes without tracing the model again
+    (about a second of every launch for gpt_10m)."""
     _, rng = jax.random.split(key)
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng, guard=initial_guard_state(),
-                              model_state=model_state or {})
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=rng,
+                              guard=initial_guard_state(guard_window), model_state=model_state or {})
     # An int32 array, as a restored step is (not the weakly typed 0 `create` gives): a fresh launch and
     # a resumed or extended one then compile the same train step and share its compile-cache entry.
     return state.replace(step=jnp.asarray(state.step, jnp.int32))

@@ -204,7 +204,7 @@ def make_train_step(step_fn: Callable[..., tuple[Any, jax.Array, Any]], spec: Ex
         state = state.replace(opt_state=offload.fetch(state.opt_state, kept))
         key = jax.random.fold_in(state.rng, state.step)
         new_state, loss, meta = step_fn(state, batch, key, accumulate, layer_norms=norms)
-        new_state, flags = guard_update(guard, state, new_state, loss, meta["grad_norm"])
+        new_state, flags = guard_update(guard, state, new_state, loss, meta["grad_norm"], state.step + 1)
         if norms:
             meta.update(debug.param_and_update_norms(state.params, new_state.params))
         lr = jnp.asarray(scheduled(state.step), jnp.float32)

@@ -4,11 +4,13 @@ and exits with runner.exits.PREEMPTED_EXIT_CODE, so rerunning the same command c
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from runner.checkpoint import storage
+from runner.exits import Preempted
 from runner.parallel.distributed import any_process
 
 REASONS = ("signal", "time limit", "launch step limit", "stop file")
@@ -35,6 +37,16 @@ class StopConditions:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.signal = signum
+
+    @contextlib.contextmanager
+    def catching_signals(self) -> Iterator[None]:
+        """While training, SIGTERM and SIGINT are a stop request (saved, then exit 75), not an abrupt end."""
+        previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     def _local(self, step: int, step_seconds: float) -> Optional[str]:
         if self.signal is not None:
@@ -83,6 +95,15 @@ class StopConditions:
         if any_process(local is not None):
             return local or "a stop request from another process"
         return None
+
+
+def stopped(conditions: "StopConditions", reason: str, step: int, logger: Any) -> Preempted:
+    """A stop honoured, once its save is done: the stop file removed, the run told how to resume,
+    the logger's ending marked preempted. Returns the exception that exits with code 75."""
+    consume_stop_file(conditions, reason)
+    logger.progress.message(f"stopped by {reason} at step {step}; checkpoint saved. Rerun the same command to resume.")
+    logger.ending(Preempted.exit_code, preempted=True)
+    return Preempted()
 
 
 def consume_stop_file(conditions: "StopConditions", reason: str | None) -> None:

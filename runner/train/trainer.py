@@ -2,11 +2,11 @@
 
 A job subclasses it and says how to build its model config and model. The parts it wires:
 
-    runner.train.state       the train state: abstract shapes and shardings, sharded init
-    runner.train.steps       the pure train/val steps, compiled with shardings
-    runner.train.loop        the step loop, and the components (runner.train.hooks) that own each cadence
-    runner.train.checkpointing  the checkpoints: restore, saves at the policy's cadence, the final save
-    runner.evaluation  evaluators, which see an EvalContext, not this class
+    runner.train.program     the optimizer, the state's shapes and shardings, the jitted steps
+    runner.train.loop        the step loop; components own each cadence: runner.train.hooks, callbacks (the
+                             user's hooks), checkpointing (restore, saves, the final save), watchdog
+    runner.train.evaluations the evaluators' runs (runner.evaluation: they see an EvalContext, not this class)
+    runner.observability     the metrics, goodput, the run card
 
 `RestoreableJob.run` (runner.train.job) is the template: load -> done? -> train -> final save ->
 conclude. Hot-loop rules: no host sync per step (metrics are read one step late), the state is
@@ -19,12 +19,10 @@ import abc
 import contextlib
 import functools
 import itertools
-import signal
 import time
 from pathlib import Path
 from typing import Any, Generic, Iterator, Mapping, Optional, Sequence, Tuple, TypeVar
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,30 +33,27 @@ from runner.data.documents import DocumentMasked
 from runner.data.loader import BatchLoader
 from runner.data.strategies import DatasetStrategy, build_strategy
 from runner.errors import UserError
-from runner.evaluation.base import EvalContext, Evaluator, build_evaluators, prepare_all, run_all
-from runner.exits import HookError, Preempted, TrainingHalted
+from runner.evaluation.base import EvalContext, Evaluator, build_evaluators
+from runner.exits import Preempted, TrainingHalted
 from runner.models import ModelFamily, context_choice, family_for, pipeline, tiling
-from runner.models.hf import HF_PREFIX
-from runner.observability import debug, goodput, runcard
-from runner.observability.goodput import Goodput
-from runner.observability.metrics import METRICS_FILE, MetricsLogger, truncate_jsonl
+from runner.observability import debug, goodput
+from runner.observability.metrics import MetricsLogger
+from runner.observability.runcard import RunCard
 from runner.observability.throughput import Throughput
-from runner.parallel.compile import attention_summary
-from runner.parallel.mesh import make_mesh, mesh_shape
-from runner.parallel.topology import check_devices, parse_topology
+from runner.parallel.mesh import run_mesh
 from runner.spec import ExecutionSpec
-from runner.train import faults, steps
+from runner.train import faults, guards, init, rewind, steps
 from runner.train import state as st
-from runner.train.callbacks import CallbackList
-from runner.train.checkpointing import Checkpointing
-from runner.train.guards import GuardMonitor
+from runner.train.callbacks import Callbacks
+from runner.train.checkpointing import Checkpointing, Resumed
+from runner.train.evaluations import Evaluations
 from runner.train.heap import frozen_heap
-from runner.train.hooks import Evaluation, GuardStop, MetricsReport, ProfilerWindow, StepHooks, StopRequests
+from runner.train.hooks import Evaluation, GuardStop, MetricsReport, ProfilerWindow, StopRequests
 from runner.train.job import C, RestoreableJob
 from runner.train.loop import Ending, Loop
 from runner.train.program import Program
 from runner.train.state import TrainState
-from runner.train.stopping import StopConditions, consume_stop_file
+from runner.train.stopping import StopConditions, stopped
 from runner.train.watchdog import Watchdog
 
 M = TypeVar("M")  # the model type
@@ -81,11 +76,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         super().__init__(spec)
         self.family: ModelFamily = family if family is not None else family_for(spec)
         assert spec.topology, "ExecutionSpec.topology is required"
-        self.topology = parse_topology(spec.topology)
-        self.devices = list(jax.devices() if devices is None else devices)
-        check_devices(self.topology, self.devices)
-        shape = mesh_shape(spec, len(self.devices))
-        self.mesh = make_mesh(shape, self.devices, num_slices=max(self.topology.num_slices or 1, 1))
+        self.topology, self.devices, self.mesh = run_mesh(spec, devices)
         self.model_config: C = self.config_from_spec(spec)
         self.context_reason = context_choice(spec)[1]  # why context_parallel=auto chose its kind (the launch says)
         self.model: M = self.build_model(self.model_config)
@@ -96,19 +87,24 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.program = Program(self)  # optimizer, schedule, state shapes and shardings, the jitted steps
         self.state: Optional[TrainState] = None
         self.step = 0
-        self.restored_step: Optional[int] = None
-        self.restored_from = ""  # where the restore came from (tier and directory)
-        self.restored_tier = ""  # "durable" or "local" once restored
+        self.resumed = Resumed()  # where this launch took up the run (runner.train.checkpointing)
         self.wandb_run_id: Optional[str] = None
-        self.last_metrics: dict[str, float] = {}
-        self.last_eval: dict[str, float] = {}
-        self.last_texts: dict[str, str] = {}  # text made by the latest evaluation (samples)
         self.logger: Optional[MetricsLogger] = None
-        self.callbacks = CallbackList([*CallbackList.from_spec(spec).callbacks, *faults.callbacks()])
-        self.goodput = Goodput()  # where this run's wall time goes (runner.observability.goodput)
+        self.callbacks = Callbacks.from_spec(spec, self, extra=faults.callbacks())  # the user's hooks
+        self.goodput = goodput.Goodput()  # where this run's wall time goes (runner.observability.goodput)
         self.checkpoints = Checkpointing(spec, self.run_dir, self, warn=self.warn)
+        self.evaluations = Evaluations(self)
+        self.run_card = RunCard(self)
         self._loader: Any = None
         self.watchdog: Optional[Watchdog] = None  # run.hang_timeout, from the first step of train()
+
+    # read as attributes: views of the records that own them
+    restored_step = property(lambda self: self.resumed.step, doc="The step this launch restored (None: fresh).")
+    restored_from = property(lambda self: self.resumed.source, doc="Where the restore came from (tier, directory).")
+    restored_tier = property(lambda self: self.resumed.tier, doc='"durable" or "local" once restored.')
+    last_metrics = property(lambda self: self.callbacks.last_metrics, doc="The newest step's metrics.")
+    last_eval = property(lambda self: self.evaluations.last, doc="Every evaluator's newest metrics.")
+    last_texts = property(lambda self: self.evaluations.texts, doc="The latest evaluation's texts (samples).")
 
     # ================================================================== job-specific parts
 
@@ -149,13 +145,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return pipeline.describe(self.model_config)
 
     def check_vocab(self) -> None:
-        if self.strategy.vocab_size > self.model_vocab_size():
-            raise UserError(
-                f"The data's vocabulary ({self.strategy.vocab_size} tokens, from data.strategy="
-                f"{self.spec.data.strategy}) is larger than the model's (job.model.vocab_size="
-                f"{self.model_vocab_size()}). Fix: raise job.model.vocab_size to at least "
-                f"{self.strategy.vocab_size}, or use data prepared with a smaller tokenizer."
-            )
+        data, model = self.strategy.vocab_size, self.model_vocab_size()
+        if data > model:
+            raise UserError(f"The data's vocabulary ({data} tokens, from data.strategy={self.spec.data.strategy}) is "
+                            f"larger than the model's (job.model.vocab_size={model}). Fix: raise job.model.vocab_size "
+                            f"to at least {data}, or use data prepared with a smaller tokenizer.")
 
     # ================================================================== seed API
 
@@ -164,18 +158,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """The one place that decides "finished": train.steps steps taken."""
         return self.step >= self.spec.train.steps
 
-    @staticmethod
-    def sharded_init(model: Any, key: jax.Array, *args: Any, mesh: jax.sharding.Mesh,
-                     rules: Sequence[tuple[str, Any]] = (), **kwargs: Any) -> Tuple[Any, Any]:
-        """Initialize parameters sharded across `mesh` from the start: eval_shape gives the
-        logical axes without materializing anything, then init is jitted with out_shardings
-        so every array is born on its devices. Returns (variables, var_sharding)."""
-        init = functools.partial(model.init, **kwargs)
-        abstract = jax.eval_shape(init, key, *args)
-        sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            variables = st.init_sharded(lambda k, *a: nn.meta.unbox(init(k, *a)), sharding, key, *args)
-        return variables, sharding
+    sharded_init = staticmethod(init.sharded_init)  # (model, key, *args, mesh, rules=()) -> (variables, sharding)
 
     def evaluator(self) -> Optional[Evaluator[M] | Sequence[Evaluator[M]]]:
         """What the job evaluates with (by default, what eval.evaluators configures). Called
@@ -207,16 +190,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """This process's rows of the batches for each step from the current one on."""
         if slice != "train":
             raise ValueError("validation batches come from the evaluators")
-        return BatchLoader(
-            self.strategy.train(self.spec.train.seq_len, self.spec.seed, global_batch=self.spec.train.batch_size),
-            global_batch=self.spec.train.batch_size,
-            accumulate_steps=self.spec.train.accumulate_steps,
-            start_step=self.step,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-            prefetch=self.spec.data.prefetch,
-            num_threads=self.spec.data.num_threads,
-        )
+        train, data = self.spec.train, self.spec.data
+        return BatchLoader(self.strategy.train(train.seq_len, self.spec.seed, global_batch=train.batch_size),
+                           global_batch=train.batch_size, accumulate_steps=train.accumulate_steps,
+                           start_step=self.step, process_index=jax.process_index(), process_count=jax.process_count(),
+                           prefetch=data.prefetch, num_threads=data.num_threads, skips=self.checkpoints.journal.skips)
 
     @classmethod
     def token_loss(cls, state: TrainState, params: Any, micro: Mapping[str, jax.Array],
@@ -241,7 +219,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """Restore the newest complete checkpoint (with `suffix`: the snapshot of that name under
         <run.dir>/snapshots/, or that step of checkpoints/); without one, a fresh (or warm-started)
         state. Returns whether a checkpoint was restored."""
-        self.callbacks("on_init_start", self)
+        self.callbacks.dispatch("on_init_start")
         abstract, self.program.state_sharding = self.program.abstract_state()
         self.model_shapes = st.model_shapes(abstract.params)
         with self.goodput.timing("restore"):
@@ -251,21 +229,13 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
             self.state = self.program.init_state()
             if self.spec.run.init_from:
                 with self.goodput.timing("restore"):
-                    self.warm_start(abstract)
-            self.step = int(self.state.step)
-            lost = truncate_jsonl(self.run_dir / METRICS_FILE, -1)  # a fresh start logs everything anew
-            self.goodput.carry(None, lost, 0)
+                    self.state = self.checkpoints.warm_start(abstract, self.state, self.import_hf)
         else:
             self.state = abstract.replace(**restored.state)
-            self.step = self.restored_step = int(restored.step)
-            self.wandb_run_id = restored.meta.get("wandb_run_id")
-            lost = truncate_jsonl(self.run_dir / METRICS_FILE, self.step)
-            self.goodput.carry(restored.meta.get("goodput"), lost, self.step)
-            self.restored_from = self.checkpoints.restored_from(restored)
-            self.restored_tier = restored.tier
-            if restored.tier == "local":
-                self.goodput.local_tier_spared_steps = self.step - (self.checkpoints.durable_newest or 0)
-        self.callbacks("on_init_end", self)
+        self.step = int(self.state.step) if restored is None else int(restored.step)
+        self.resumed = self.checkpoints.resumed(restored, self.goodput)
+        self.wandb_run_id = self.resumed.wandb_run_id
+        self.callbacks.dispatch("on_init_end")
         return restored is not None
 
     def save(self, suffix: Path | None = None) -> None:
@@ -274,62 +244,21 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         if self.state is not None:
             self.checkpoints.save_final(suffix)
 
-    # run() is RestoreableJob.run: load -> done? -> train -> save -> conclude.
-
-    # ================================================================== wiring
+    # ================================================================== what the parts use
 
     @functools.cached_property
     def throughput(self) -> Throughput:
         """Per-device rates and MFU for the progress line and metrics (runner.observability.throughput)."""
-        return Throughput.for_run(self.flops_per_token(), self.topology, self.devices,
-                                  self.spec.job.model.quantization)
+        return Throughput.for_run(self.flops_per_token(), self.topology, self.devices, self.spec.job.model.quantization)
 
     def eval_context(self) -> EvalContext:
         return EvalContext(spec=self.spec, mesh=self.mesh, strategy=self.strategy, val_step=self.program.val_step,
                            to_device=self.program.to_device, model=self.model, model_config=self.model_config)
 
-    # ================================================================== checkpoints
-
     @property
     def checkpointer(self) -> ckpt.Checkpointer:
         """The run's checkpoint store (runner.train.checkpointing opens it on first use)."""
         return self.checkpoints.checkpointer
-
-    @contextlib.contextmanager
-    def saving(self, step: int, tier: str = "durable") -> Iterator[None]:
-        """Around every save: the callbacks, the metrics it covers logged before it can commit,
-        and its time counted as checkpointing, per tier (runner.train.checkpointing calls this)."""
-        self.callbacks("on_save_start", self, step=step)
-        if self.logger is not None:
-            try:
-                self.logger.sync()
-            except ckpt.StorageUnavailable as err:  # the durable tier stops the run; a local save still protects it
-                if tier == "durable":
-                    raise
-                self.warn(f"{err} The local save of step {step} goes ahead; its metrics stay in memory until an "
-                          "upload succeeds.")
-        category = "checkpoint" if tier == "durable" else "checkpoint_local"
-        with self.watching("save", step), self.goodput.timing(category):
-            yield
-        self.callbacks("on_save_end", self, step=step)
-
-    def warm_start(self, abstract: TrainState) -> None:
-        """run.init_from: another run's parameters (fresh optimizer, step 0), or its whole state;
-        or with `hf:DIR`, a Hugging Face model's parameters (see `import_hf`)."""
-        if self.spec.run.init_from.startswith(HF_PREFIX):
-            params = self.import_hf(abstract.params)
-            self.state = self.state.replace(params=jax.tree.map(
-                lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), params, abstract.params))
-            if jax.process_index() == 0:
-                m = self.spec.job.model
-                print(f"warm start: parameters from the Hugging Face model {self.spec.run.init_from[3:]} "
-                      f"({m.hf.architecture or m.family}: d_model={m.d_model}, n_layers={m.n_layers}, "
-                      f"n_heads={m.n_heads}, vocab_size={m.vocab_size}; job.model settings from its config.json)",
-                      flush=True)
-            return
-        tree = ckpt.warm_start(self.spec.run.init_from, self.spec.run.init_mode, st.state_tree(abstract))
-        self.state = abstract.replace(**tree) if self.spec.run.init_mode == "full" else \
-            self.state.replace(params=tree["params"])
 
     def import_hf(self, abstract_params: Any) -> Any:
         """The parameters of the Hugging Face model `run.init_from=hf:DIR` names, as numpy arrays in
@@ -341,18 +270,15 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """Refuse to resume a checkpoint of another model, or of other data unless allowed."""
         ckpt.check_compatible(saved, self.model_shapes, self.strategy.fingerprint,
                               self.spec.checkpoint.allow_data_change, self.checkpointer.directory, self.warn)
+        guards.check_saved(saved, self.spec.guard, self.checkpointer.directory)
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "spec": self.spec.to_dict(),
-            "data_fingerprint": self.strategy.fingerprint,
-            "model_shapes": self.model_shapes,
-            "wandb_run_id": self.wandb_run_id,
-            "best": self.checkpointer.policy.best,
-            "saved_unix": time.time(),
-            "goodput": self.goodput.to_meta(self.goodput_totals()),
-        }
+        """The record saved beside the state (`check_compatible` and the restore read it back)."""
+        return {"step": self.step, "spec": self.spec.to_dict(), "data_fingerprint": self.strategy.fingerprint,
+                "model_shapes": self.model_shapes, "wandb_run_id": self.wandb_run_id,
+                "best": self.checkpointer.policy.best, "saved_unix": time.time(),
+                "data_skips": self.checkpoints.journal.describe(),
+                "goodput": self.goodput.to_meta(self.goodput_totals())}
 
     def goodput_totals(self) -> dict[str, float]:
         return self.goodput.totals(float(getattr(self._loader, "wait_seconds", 0.0)))
@@ -374,61 +300,28 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """Subclass hook: called with step `step`'s metrics when they are read (one step late);
         `state` is the newest state."""
 
-    def _hook(self, name: str, *args: Any) -> None:
-        try:
-            getattr(self, name)(*args)
-        except Exception as err:
-            raise HookError(f"{type(self).__qualname__}.{name}", err) from err
-
-    def _before_step(self, step: int) -> None:
-        self._hook("on_step_start", self.state, step)
-        self.callbacks("on_step_start", self, step=step)
-
-    def _after_step(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.last_metrics = dict(metrics)
-        self._hook("on_step_end", self.state, metrics, step)
-        self.callbacks("on_step_end", self, step=step, metrics=dict(metrics))
-
-    def prepare_evaluators(self) -> None:
-        with self.program.context():
-            prepare_all(self.evaluators, self.eval_context())
-
     def evaluate(self, only: Optional[Sequence[Evaluator[M]]] = None) -> dict[str, float]:
         """Run the evaluators (or `only` these) on the current state: metrics as `eval/<name>`;
         their texts, if any, go to `last_texts`."""
-        with self.program.context():
-            results, self.last_texts = run_all(self.evaluators if only is None else only, self.eval_context(),
-                                               self.state)
-        self.last_eval = {**self.last_eval, **results}
-        return results
-
-    def _log_eval(self, only: Optional[Sequence[Evaluator[M]]] = None) -> None:
-        """Evaluate; log metrics and texts (metrics.jsonl strings, a wandb table); show the headline
-        numbers; tell the checkpoint policy (best-K)."""
-        assert self.logger is not None
-        self.callbacks("on_eval_start", self, step=self.step)
-        with self.watching("eval", self.step), self.goodput.timing("eval"):
-            results = self.evaluate(only)
-        self.callbacks("on_eval_end", self, step=self.step, results=results)
-        self.logger.log_eval(self.step, results, self.last_texts)
-        self.checkpoints.note_evaluation(self.step, results, complete=only is None)
+        return self.evaluations.run(only)
 
     def watching(self, phase: str, step: int) -> contextlib.AbstractContextManager[None]:
         """A save or an evaluation, as the watchdog sees it (progress at both ends)."""
         return self.watchdog.busy(phase, step) if self.watchdog is not None else contextlib.nullcontext()
 
-    def components(self, logger: MetricsLogger, stops: StopConditions, loader: Any) -> list[Any]:
+    def components(self, logger: MetricsLogger, stops: StopConditions) -> list[Any]:
         """The loop's components, in the order they act at a step (see runner.train.hooks)."""
         spec = self.spec
         return [
             *([self.watchdog] if self.watchdog is not None else []),
             ProfilerWindow(debug.Profiler(self.run_dir, spec.debug.profile_start, spec.debug.profile_steps)),
-            MetricsReport(spec, logger, self.step, data_wait=lambda: getattr(loader, "wait_seconds", 0.0),
+            MetricsReport(spec, logger, self.step, data_wait=lambda: getattr(self._loader, "wait_seconds", 0.0),
                           warn=self.warn, throughput=self.throughput, goodput=self.goodput_report),
-            StepHooks(self._before_step, self._after_step),
-            GuardStop(GuardMonitor(spec.guard)),
+            self.callbacks,
+            GuardStop(guards.GuardMonitor(spec.guard)),
+            *rewind.components(spec, self.checkpoints, self.go_back, logger, self.goodput),
             StopRequests(stops),
-            Evaluation(self.evaluators, self.eval_every, self._log_eval),
+            Evaluation(self.evaluators, self.eval_every, self.evaluations.log),
             *faults.components(self.checkpoints.wait, lambda: stops.signal is not None),
             self.checkpoints,
         ]
@@ -438,34 +331,39 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.logger = logger = MetricsLogger.for_run(self.spec, self.run_dir, self.wandb_run_id, self.restored_step)
         self.wandb_run_id = logger.wandb_run_id
         self._stops = stops = StopConditions(self.spec, self.run_dir, self.step)
-        previous = {s: signal.signal(s, stops.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        loader = self._loader = self.batch("train")
-        self._t_start = time.perf_counter()
-        try:
-            self.callbacks("on_train_start", self)
-            if self.restored_step:
-                logger.progress.message(f"resumed from step {self.restored_step} ({self.restored_from})")
-            with self.goodput.timing("eval"):
-                self.prepare_evaluators()
-            with self.goodput.timing("compile"):
-                step_fn = self.program.train_executable(self.state)
-            self.watchdog = Watchdog.for_run(self.spec, self.run_dir, lambda: self.goodput.spent["compile"])
-            self.write_run_card()
-            loop = Loop(self, step_fn, self._device_batches(loader), self.components(logger, stops, loader),
-                        self.spec.train.steps)
-            self.goodput.start_loop()
-            with self.program.context(), frozen_heap():
-                ending = loop.run()
-            self.goodput.end_loop()
-            if ending.finished:
-                self._log_eval()
-            return ending
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            close = getattr(loader, "close", None)
-            if close:
-                close()
+        with stops.catching_signals():
+            self._loader = self.batch("train")
+            self._t_start = time.perf_counter()
+            try:
+                self.callbacks.dispatch("on_train_start")
+                if self.restored_step:
+                    logger.progress.message(f"resumed from step {self.restored_step} ({self.restored_from})")
+                with self.goodput.timing("eval"):
+                    self.evaluations.prepare()
+                with self.goodput.timing("compile"):
+                    step_fn = self.program.train_executable(self.state)
+                self.watchdog = Watchdog.for_run(self.spec, self.run_dir, lambda: self.goodput.spent["compile"])
+                self.run_card.start(logger.progress.message)
+                loop = Loop(self, step_fn, self._device_batches(self._loader), self.components(logger, stops),
+                            self.spec.train.steps)
+                self.goodput.start_loop()
+                with self.program.context(), frozen_heap():
+                    ending = loop.run()
+                self.goodput.end_loop()
+                if ending.finished:
+                    self.evaluations.log()
+                return ending
+            finally:
+                getattr(self._loader, "close", lambda: None)()  # a job's own batch() may give a plain iterator
+
+    def go_back(self, step: int) -> Iterator[Batch]:
+        """A rewind (runner.train.rewind): checkpoint `step` restored, and the batches from there."""
+        abstract = ckpt.abstract_like(self.state)  # the layout it trains in (no tracing inside the mesh context)
+        restored = self.checkpoints.restore(abstract, Path(str(step)), check=self.check_compatible)
+        self.state, self.step = self.state.replace(**restored.state), step
+        getattr(self._loader, "close", lambda: None)()
+        self._loader = self.batch("train")
+        return self._device_batches(self._loader)
 
     def _device_batches(self, loader: Iterator[Mapping[str, np.ndarray]]) -> Iterator[Batch]:
         """Batches on the devices; with debug.overfit_batch, the first one again and again."""
@@ -477,24 +375,15 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         """After the final save: report, or raise what the exit code says."""
         assert self.logger is not None
         if ending.halt:
-            self.logger.ending(TrainingHalted.exit_code)
-            raise TrainingHalted(
-                f"Training stopped at step {self.step}: {ending.halt} (guard.nonfinite={self.spec.guard.nonfinite}). "
-                f"The last good state is saved in {self.checkpointer.directory / str(self.step)}. Fix: lower "
-                "optimizer.lr or tighten optimizer.clip_norm, or set guard.nonfinite=skip to step over bad "
-                "batches; then rerun the same command.")
+            raise guards.halted(ending.halt, self.spec.guard, self.step, self.checkpointer.directory / str(self.step),
+                                self.logger)
         if ending.stop:
-            consume_stop_file(self._stops, ending.stop)
-            self.logger.progress.message(f"stopped by {ending.stop} at step {self.step}; "
-                                         "checkpoint saved. Rerun the same command to resume.")
-            self.logger.ending(Preempted.exit_code, preempted=True)
-            raise Preempted()
-        self.callbacks("on_train_end", self)
+            raise stopped(self._stops, ending.stop, self.step, self.logger)
+        self.callbacks.dispatch("on_train_end")
         report = self.goodput_report()
         self.logger.log(self.step, report)
-        self._summary(time.perf_counter() - self._t_start)
-        self.logger.progress.message(goodput.summary_line(report))
-        self.write_run_card(final=True)
+        self.run_card.end(time.perf_counter() - self._t_start, goodput.summary_line(report),
+                          self.logger.progress.message)
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -506,50 +395,5 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         self.checkpoints.close()
 
     def finished_already(self) -> None:
-        """Nothing left to train. A last step restored from the local tier is not in the durable
-        tier yet (the launch that reached it stopped when its durable save failed): saved there now,
-        before the local tier (a host's disk) can be lost (unless that save committed after all)."""
-        if self.restored_tier == "local" and self.step not in self.checkpointer.steps():
-            self.save()
-            if jax.process_index() == 0:
-                print(f"Run {self.run_dir} had reached step {self.step} (train.steps={self.spec.train.steps}), but that "
-                      f"step was only in the local tier ({self.restored_from}); it is now saved to "
-                      f"{self.checkpointer.directory}.", flush=True)
-            return
-        if jax.process_index() == 0:
-            print(f"Run {self.run_dir} already finished at step {self.step} (train.steps={self.spec.train.steps}); "
-                  f"nothing to do. Raise train.steps to continue it.", flush=True)
-
-    # ================================================================== reporting
-
-    def write_run_card(self, final: bool = False) -> None:
-        assert self.logger is not None
-        if not final:
-            self._facts = runcard.run_facts(self.state.params, self.flops_per_token(), self.mesh,
-                                            self.program.train_executable(self.state), self.state)
-            self._facts["throughput"] = self.throughput.describe()
-            active = self.active_param_count()
-            if active is not None and active != self._facts["parameters"]:
-                self._facts["active_parameters"] = active
-            if getattr(self, "attention", ""):
-                self._facts["attention"] = attention_summary(self)
-            self._facts["tiling"] = self.tiling()
-            self._facts["pipeline"] = self.pipeline_schedule()
-            self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
-            if getattr(self, "quantization", ""):
-                self._facts["quantization"] = self.quantization
-                for warning in self.quantization_warnings():
-                    self.warn(warning)
-            for line in runcard.summary_lines(self._facts):
-                self.logger.progress.message(line)
-        else:  # the tiers' line again, with the local saves this launch had to skip
-            self._facts["checkpoints"] = self.checkpoints.describe(self.restored_step, self.restored_from)
-        if jax.process_index() == 0:
-            runcard.write(self.run_dir, self.spec, self._facts,
-                          {**self.last_metrics, **self.last_eval} if final else None)
-
-    def _summary(self, seconds: float) -> None:
-        assert self.logger is not None
-        self.logger.progress.message(runcard.summary(
-            self.spec, self.step, self.restored_step, seconds, self.last_metrics, self.last_eval,
-            self.checkpointer.directory / str(self.step), self.run_dir / METRICS_FILE))
+        """Nothing left to train: said (after a last step found only in the local tier is saved durably)."""
+        self.checkpoints.finished_already(self.resumed)

@@ -14,6 +14,7 @@ import pytest
 
 from runner.checkpoint.checkpointer import Checkpointer, SavePolicy
 from runner.errors import UserError
+from runner.observability.goodput import Goodput
 from runner.spec import CheckpointSpec, ExecutionSpec, TrainSpec
 from runner.train.checkpointing import Checkpointing
 from runner.train.hooks import Evaluation, StopRequests
@@ -180,14 +181,16 @@ def test_checkpoints_component_saves_by_time_with_real_orbax(tmp_path: Path) -> 
         state = property(lambda self: SimpleNamespace(step=np.int32(h.step), params=np.full((4,), h.step, np.float32),
                                                       opt_state=(), rng=np.zeros(2, np.uint32), guard=()))
         step = property(lambda self: h.step)
+        logger = None
+        goodput = Goodput()
+        callbacks = SimpleNamespace(dispatch=lambda event, step: around.append(step) if event == "on_save_start"
+                                    else None)
 
         def checkpoint_meta(self) -> dict:
             return {"step": h.step}
 
-        @contextlib.contextmanager
-        def saving(self, step: int):
-            around.append(step)
-            yield
+        def watching(self, phase: str, step: int) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
 
     checkpoints = Checkpointing(spec, tmp_path, Owner())
     policy = SavePolicy(spec.checkpoint, clock=clock)
