@@ -40,19 +40,19 @@ class RewindJournal:
     plus every recorded window."""
 
     def __init__(self, spec: ExecutionSpec, run_dir: Any) -> None:
-        self.manual = DataSkips.of(spec.train.skip_batches)
         self.path = storage.path(run_dir) / RECORD
         self.records: list[dict[str, Any]] = self._read()
-        self.skips = DataSkips.of(self.manual.windows, (r["window"] for r in self.records))
+        self.skips = DataSkips.of(spec.train.skip_batches, (r["window"] for r in self.records))
 
     def _read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
         try:
-            records = json.loads(self.path.read_text())["rewinds"]
-            assert all(len(r["window"]) == 2 for r in records)
-            return list(records)
-        except (ValueError, KeyError, TypeError, AssertionError) as err:
+            records = list(json.loads(self.path.read_text())["rewinds"])
+            if not all(len(r["window"]) == 2 and r["window"][0] < r["window"][1] for r in records):
+                raise ValueError("a window is not a pair [start, end) with start < end")
+            return records
+        except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"The rewind record {self.path} cannot be read ({type(err).__name__}: {err}). It lists "
                             "the data windows this run skips after its loss spikes, so the run cannot go on "
                             "without it. Fix: restore the file from a backup, or give its windows by hand as "
@@ -88,15 +88,15 @@ class Rewinds(Component):
                  go_back: Callable[[int], Iterator[Any]], logger: Any, goodput: Any) -> None:
         self.guard, self.journal, self.checkpoints = spec.guard, journal, checkpoints
         self.go_back, self.logger, self.goodput = go_back, logger, goodput
-        self.say: Callable[[str], None] = logger.progress.message
 
     def start(self, loop: Loop) -> None:
         g = self.guard
-        self.say(f"spikes: rewind after {g.spike_count} spike(s) within {g.spike_within} step(s) above "
-                 f"{g.spike_sigma:g} sigma of the last {g.spike_window} steps, to the newest checkpoint "
-                 f"{g.rewind_back}+ steps before, skipping {g.rewind_skip} batches; at most {g.max_rewinds} "
-                 f"rewinds ({len(self.journal)} made). Checkpoints kept: also the newest one at least "
-                 f"{g.rewind_back + g.spike_within - 1} steps old, whatever checkpoint.keep says.")
+        self.logger.progress.message(
+            f"spikes: rewind after {g.spike_count} spike(s) within {g.spike_within} step(s) of the {g.spike_on} above "
+            f"{g.spike_sigma:g} sigma of the last {g.spike_window} steps, to the newest checkpoint {g.rewind_back}+ "
+            f"steps before, skipping {g.rewind_skip} batches; at most {g.max_rewinds} rewinds ({len(self.journal)} "
+            f"made). Checkpoints kept: also the newest one at least {g.rewind_back + g.spike_within - 1} steps old, "
+            "whatever checkpoint.keep says.")
 
     def on_metrics(self, loop: Loop, step: int, metrics: dict[str, float]) -> None:
         # a stop asked at this step waits for the rewind (its save is then the checkpoint gone back to);
@@ -154,18 +154,16 @@ class Rewinds(Component):
         self.logger.rewound(target)
         n, g = len(self.journal), self.guard
         figures = {**record["figures"], "spike_first": record["first_spike"]}
-        self.logger.event(f"rewind {n}/{g.max_rewinds}: {spike_words(g, record['spike_step'], figures)}; "
-                 f"back to checkpoint {target}" + (f" (newer ones set aside: {', '.join(map(str, abandoned))})"
-                                                   if abandoned else "")
-                 + f" (restored in {restore_s:.1f}s), data batches [{start}, {end}) skipped; recorded in "
-                 f"{self.journal.path}")
-        self.logger.log(target, {"rewind/count": float(n), "rewind/spike_step": float(record["spike_step"]),
-                          "rewind/first_spike": float(record["first_spike"]),
-                          "rewind/restored_step": float(target), "rewind/skip_start": float(start),
-                          "rewind/skip_end": float(end),
-                          **{f"rewind/{k}": float(v) for k, v in record["figures"].items()}})
+        aside = f" (newer ones set aside: {', '.join(map(str, abandoned))})" if abandoned else ""
+        self.logger.event(f"rewind {n}/{g.max_rewinds}: {spike_words(g, record['spike_step'], figures)}; back to "
+                          f"checkpoint {target}{aside} (restored in {restore_s:.1f}s), data batches [{start}, {end}) "
+                          f"skipped; recorded in {self.journal.path}")
+        self.logger.log(target, {
+            "rewind/count": float(n), "rewind/spike_step": float(record["spike_step"]),
+            "rewind/first_spike": float(record["first_spike"]), "rewind/restored_step": float(target),
+            "rewind/skip_start": float(start), "rewind/skip_end": float(end),
+            **{f"rewind/{k}": float(v) for k, v in record["figures"].items()}})
         return batches
-
 
 
 def components(spec: ExecutionSpec, checkpoints: Any, go_back: Callable[[int], Iterator[Any]], logger: Any,

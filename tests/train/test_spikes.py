@@ -275,3 +275,17 @@ def test_an_unreadable_record_stops_the_launch(tmp_path: Path) -> None:
     (tmp_path / RECORD).write_text("{not json")
     with pytest.raises(UserError, match="rewinds.json cannot be read"):
         RewindJournal(resolve_spec({}), tmp_path)
+
+
+def test_callbacks_hear_of_a_rewind() -> None:
+    from runner.train.callbacks import Callbacks
+
+    heard = []
+
+    class Listener:
+        def on_rewind(self, trainer: Any, step: int) -> None:
+            heard.append((trainer, step))
+
+    trainer = SimpleNamespace(state=None)
+    Callbacks(trainer, [Listener()]).rewound(None, 40)  # type: ignore[arg-type]
+    assert heard == [(trainer, 40)]
