@@ -150,18 +150,21 @@ def _composition_error(err: Exception) -> str:
     from runner.spec import retired
 
     parts: list[str] = []
+    keys: list[str] = []  # the keys the errors name (a config file's key is given only as full_key)
     seen: BaseException | None = err
     while seen is not None and len(parts) < 4:
         text = " ".join(line.strip() for line in str(seen).splitlines() if line.strip())
+        keys += re.findall(r"full_key: ([\w.]+)", text)
         text = re.split(r" Config search path:| full_key:| object_type=", text)[0].strip()
         if text and "$VALUE" not in text and not any(text in p for p in parts):
             parts.append(text.rstrip("."))
         seen = seen.__cause__ or seen.__context__
     message = ": ".join(parts)
     unknown = re.search(r"Could not override '([^']+)'\. To append to your config use \+\S+", message)
-    if unknown and retired(unknown.group(1)):
-        problem, fix = retired(unknown.group(1))
-        return f"Invalid config `{unknown.group(1)}`: {problem} Fix: {fix}"
+    for key in ([unknown.group(1)] if unknown else []) + keys:
+        if retired(key):
+            problem, fix = retired(key)  # type: ignore[misc]
+            return f"Invalid config `{key.lstrip('+~')}`: {problem} Fix: {fix}"
     if unknown:
         return (f"Invalid config `{unknown.group(1)}`: runner has no setting of that name (every setting exists "
                 "already, so there is nothing to add with +). Fix: check its spelling and section: "

@@ -307,3 +307,14 @@ def test_a_spike_halt_is_final_for_every_supervisor() -> None:
     assert err.exit_code == HALTED_EXIT_CODE == 1 and "Fix: find the cause" in str(err)
     assert str(err).count("Fix:") == 1  # the reason's own fix, not the numerical guard's
     assert not RunnerExit(0, err.exit_code, f"error: {err}").retryable
+
+
+def test_a_job_file_that_still_sets_the_retired_key_gets_the_migration(capsys, tmp_path, monkeypatch) -> None:
+    """A config file names the key only in Hydra's full_key: the same paragraph as on the command line."""
+    (tmp_path / "conf" / "job").mkdir(parents=True)
+    (tmp_path / "conf" / "job" / "old.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /job/gpt_tiny\nguard:\n  spike_factor: 2.0\n")
+    monkeypatch.chdir(tmp_path)
+    line = refused_in_process([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "job=old"], capsys, build=True)
+    assert "`guard.spike_factor`: runner no longer has this setting" in line and "guard.spike=skip" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]  # nothing written
