@@ -7,7 +7,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from runner.models import import_hf_params, model_config, platform, quantization
+from runner.models import import_hf_params, model_config, platform
+from runner.models.common import quantization
 from runner.spec import ExecutionSpec
 from runner.train.job import JOBS
 from runner.train.trainer import BaseTrainer
@@ -36,7 +37,7 @@ class LMTrainer(BaseTrainer[Any, Any]):
         return quantization.describe(self.model_config, quantization.provider_of(self.model))
 
     def quantization_warnings(self) -> list[str]:
-        """What the target platform runs slowly (runner.models.quantization.check)."""
+        """What the target platform runs slowly (runner.models.common.quantization.check)."""
         if self.spec.job.model.quantization == "none":
             return []
         return quantization.check(self.spec.job.model, platform(self.spec), self.topology.chip)

@@ -58,7 +58,7 @@ class _Frozen:
 
 @dataclass(frozen=True)
 class RopeSpec(_Frozen):
-    """Rotary embeddings (llama family)."""
+    """Rotary embeddings (llama and deepseek families)."""
 
     theta: float = 10000.0  # the rotary base frequency
     # none | linear (positions divided by factor) | llama3 (Llama 3.1+'s frequency scaling: factor,
@@ -73,9 +73,12 @@ class RopeSpec(_Frozen):
     beta_slow: float = 1.0  # yarn: dimensions turning less than this often are interpolated fully
     attention_factor: float = 0.0  # yarn: cos/sin scale; 0: 0.1 * ln(factor) + 1, YaRN's default
     truncate: bool = True  # yarn: round the correction range to whole dimensions
+    # yarn, deepseek family: the attention scores also times (0.1 * mscale_all_dim * ln(factor) + 1)^2
+    # (DeepSeek's softmax scale; its config.json's mscale_all_dim); 0: not scaled
+    mscale_all_dim: float = 0.0
 
     def check(self, spec: ExecutionSpec) -> None:
-        _check_rules("job.model.rope", self, (("scaling", ROPE_SCALINGS),))
+        _check_rules("job.model.rope", self, (("scaling", ROPE_SCALINGS), ("mscale_all_dim", ">= 0")))
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,82 @@ class HFOriginSpec(_Frozen):
     eos_token_id: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class WindowSpec(_Frozen):
+    """Sliding-window attention (llama and gemma families; runner.models.attention.kernels): a query attends
+    to at most `size` keys, itself included (Hugging Face's `sliding_window`), in the layers the
+    pattern names; off while size is 0."""
+
+    size: int = 0  # keys a query sees, itself included; 0: every earlier key (no window)
+    # every this-many-th layer (layers N-1, 2N-1, ...) attends globally and the rest through the
+    # window (Gemma 3's sliding_window_pattern, 6); 0: every layer through the window (Mistral v0.1)
+    global_every: int = 0
+    # the windowed layers' rotary base (Gemma 3's rope_local_base_freq, 10000); 0: job.model.rope.theta
+    local_rope_theta: float = 0.0
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("job.model.window", self, (("size", ">= 0"), ("global_every", ">= 0"),
+                                                ("local_rope_theta", ">= 0")))
+        if self.size == 0 and (self.global_every or self.local_rope_theta):
+            key = "global_every" if self.global_every else "local_rope_theta"
+            raise ConfigError(f"job.model.window.{key}", getattr(self, key), "it shapes the sliding window, and "
+                              "job.model.window.size is 0 (no window): it would change nothing.",
+                              "set job.model.window.size (e.g. 1024), or drop it.")
+
+
+@dataclass(frozen=True)
+class MLASpec(_Frozen):
+    """Multi-head latent attention (DeepSeek-V2/V3; the deepseek family): queries and keys/values
+    through low-rank latents, each head's query and key split into a part without positions and a
+    rotary part whose key is shared by every head."""
+
+    q_lora_rank: int = 1536  # the query latent's width; 0: queries projected directly (V2-Lite)
+    kv_lora_rank: int = 512  # the key/value latent's width (what a cache would hold)
+    qk_nope_head_dim: int = 128  # each head's query/key width without positions
+    qk_rope_head_dim: int = 64  # each head's rotary query width, and the shared rotary key's
+    v_head_dim: int = 128  # each head's value width
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("job.model.mla", self, (
+            ("q_lora_rank", ">= 0"), ("kv_lora_rank", "> 0"), ("qk_nope_head_dim", "> 0"),
+            ("qk_rope_head_dim", "> 0"), ("v_head_dim", "> 0")))
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError("job.model.mla.qk_rope_head_dim", self.qk_rope_head_dim, "rotary embeddings rotate "
+                              "pairs of dimensions.", "use an even width, e.g. 64.")
+
+
+@dataclass(frozen=True)
+class MTPSpec(_Frozen):
+    """Multi-token prediction (DeepSeek-V3; the deepseek family): `depth` extra modules, the k-th
+    predicting the token k+1 places ahead from the trunk's hidden state and the next token's
+    embedding; their mean loss, times `loss_weight`, is added to the main loss. They train the
+    trunk; the main loss and the logits are the trunk's alone."""
+
+    depth: int = 0  # MTP modules (DeepSeek-V3: 1); 0: none
+    loss_weight: float = 0.3  # lambda, DeepSeek-V3's for its first 10T tokens
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("job.model.mtp", self, (("depth", ">= 0"), ("loss_weight", ">= 0")))
+
+
+@dataclass(frozen=True)
+class SoftcapSpec(_Frozen):
+    """Logit soft-capping, cap * tanh(x / cap) (Gemma 2; the gemma family); 0: off."""
+
+    attention: float = 0.0  # on the attention scores (Gemma 2: 50)
+    final: float = 0.0  # on the output logits (Gemma 2: 30)
+
+    def check(self, spec: ExecutionSpec) -> None:
+        _check_rules("job.model.softcap", self, (("attention", ">= 0"), ("final", ">= 0")))
+
+
 MOE_DISPATCHES = ("auto", "ragged", "gmm", "capacity", "dense")
 MOE_SCORES = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class MoESpec(_Frozen):
-    """A mixture-of-experts feed-forward in every layer (the llama family; runner.models.moe):
+    """A mixture-of-experts feed-forward in every layer (the llama family; runner.models.common.moe):
     off while n_experts is 0."""
 
     n_experts: int = 0  # experts per layer; 0: a dense MLP
@@ -116,13 +188,26 @@ class MoESpec(_Frozen):
     # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores to choose
     # experts (never to their weights), moved by this much after each step toward even load; 0: off
     bias_update_rate: float = 0.0
+    # DeepSeek-V3's group-limited routing: the experts in this many equal groups (1: one group, every expert)
+    n_group: int = 1
+    topk_group: int = 1  # the groups a token picks, those whose two best scores sum highest (DeepSeek-V3: 4 of 8)
+    routed_scaling: float = 1.0  # the chosen experts' weights times this (DeepSeek-V3's 2.5)
 
     def check(self, spec: ExecutionSpec) -> None:
         _check_rules("job.model.moe", self, (
             ("n_experts", ">= 0"), ("top_k", "> 0"), ("d_ff_expert", ">= 0"), ("n_shared_experts", ">= 0"),
             ("first_dense_layers", ">= 0"), ("score", MOE_SCORES), ("dispatch", MOE_DISPATCHES),
             ("capacity_factor", "> 0"),
-            ("aux_loss", ">= 0"), ("z_loss", ">= 0"), ("bias_update_rate", ">= 0")))
+            ("aux_loss", ">= 0"), ("z_loss", ">= 0"), ("bias_update_rate", ">= 0"), ("n_group", "> 0"),
+            ("topk_group", "> 0"), ("routed_scaling", "> 0")))
+        if self.n_experts and (self.n_experts % self.n_group or self.topk_group > self.n_group):
+            raise ConfigError("job.model.moe.n_group", self.n_group, f"the {self.n_experts} experts must split into "
+                              f"n_group equal groups, of which a token picks topk_group={self.topk_group}.",
+                              "use a divisor of job.model.moe.n_experts, at least job.model.moe.topk_group.")
+        if self.n_experts and self.n_group > 1 and self.top_k > self.topk_group * (self.n_experts // self.n_group):
+            raise ConfigError("job.model.moe.topk_group", self.topk_group, f"a token's top_k={self.top_k} experts "
+                              "must come from the groups it picks, and they hold fewer.",
+                              "raise job.model.moe.topk_group, or lower job.model.moe.top_k.")
         if self.n_experts and self.top_k > self.n_experts:
             raise ConfigError("job.model.moe.top_k", self.top_k, f"a token cannot choose more experts than the "
                               f"{self.n_experts} there are (job.model.moe.n_experts).",
@@ -138,7 +223,7 @@ class ModelSpec(_Frozen):
     """job.model: the model's shape and numerics. A family (job.model.family) reads the keys it
     knows and refuses another family's keys set away from their defaults."""
 
-    family: str = "gpt"  # gpt | llama | import path of your own family (runner.models)
+    family: str = "gpt"  # gpt | llama | gemma | deepseek | import path of your own family (runner.models)
     vocab_size: int = 320  # rows of the embedding table: at least the tokenizer's vocabulary
     context_length: int = 128  # the longest sequence the model takes (gpt: learned positions)
     d_model: int = 128  # width of the residual stream
@@ -149,9 +234,9 @@ class ModelSpec(_Frozen):
     dropout: float = 0.0  # gpt: residual dropout rate during training, in [0, 1)
     compute_dtype: str = "float32"  # float32 | bfloat16: activations and matmuls
     param_dtype: str = "float32"  # float32 | bfloat16: the stored parameters (and their gradients)
-    attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention)
+    attention: str = "auto"  # auto | xla | cudnn | splash (runner.models.attention.kernels)
     # with mesh.context > 1, attention across the split rows: auto | allgather | ring | ulysses | usp
-    # (runner.models.context)
+    # (runner.models.attention.context)
     context_parallel: str = "auto"
     # usp: how many consecutive context shards exchange heads by all-to-all (the rest of mesh.context is
     # a ring); 0: the most that divide the heads a device holds, below mesh.context. Only usp reads it.
@@ -161,7 +246,7 @@ class ModelSpec(_Frozen):
     # | offload (as full, each block's input kept in host memory until the backward pass: TPU, GPU)
     remat: str = "auto"
     # the output head and its loss over this many tiles of each row's tokens, each tile's logits
-    # recomputed in the backward pass, so the whole logits never exist (runner.models.tiling); 1: whole;
+    # recomputed in the backward pass, so the whole logits never exist (runner.models.common.tiling); 1: whole;
     # 0: auto (tiled once one device's float32 logits would pass 1 GiB)
     loss_tiles: int = 0
     # the feed-forward block over this many tiles of each row's tokens, each recomputed in the backward
@@ -170,7 +255,7 @@ class ModelSpec(_Frozen):
     use_bias: bool = True  # gpt: biases on the projections and LayerNorms
     scan_layers: bool = True  # layers as one scanned, stacked layer (fast compiles); false: unrolled
     # int8 | fp8: the matmuls quantization_scope names run quantized, through Qwix
-    # (runner.models.quantization); none: in compute_dtype
+    # (runner.models.common.quantization); none: in compute_dtype
     quantization: str = "none"
     # attention (q, k, v, out projections) | mlp | experts | head (the output projection)
     quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
@@ -192,8 +277,14 @@ class ModelSpec(_Frozen):
     # quick_gelu, relu; empty: the family's own (gpt: gelu_new, llama: silu, gated as SwiGLU)
     activation: str = ""
     norm_eps: float = 1e-5  # RMSNorm's (llama) and LayerNorm's (gpt) epsilon
+    # gemma: the queries scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim
+    query_pre_attn_scalar: float = 0.0
     rope: RopeSpec = field(default_factory=RopeSpec)
+    window: WindowSpec = field(default_factory=WindowSpec)
+    softcap: SoftcapSpec = field(default_factory=SoftcapSpec)
     moe: MoESpec = field(default_factory=MoESpec)
+    mla: MLASpec = field(default_factory=MLASpec)
+    mtp: MTPSpec = field(default_factory=MTPSpec)
     hf: HFOriginSpec = field(default_factory=HFOriginSpec)
 
     def check(self, spec: ExecutionSpec) -> None:
@@ -211,7 +302,11 @@ class ModelSpec(_Frozen):
                               f"context axis into all-to-all groups, and it is {self.context_parallel}.",
                               "set job.model.context_parallel=usp, or drop job.model.ulysses_ways.")
         self.rope.check(spec)
+        self.window.check(spec)
+        self.softcap.check(spec)
         self.moe.check(spec)
+        self.mla.check(spec)
+        self.mtp.check(spec)
         _check_rules("job.model", self, (
             ("norm_eps", lambda v: v > 0, "it must be positive.", "use e.g. 1e-5 or 1e-6."),
             ("dropout", lambda v: 0.0 <= v < 1.0, "it must be in [0, 1).", "use e.g. 0.0 or 0.1.")))
@@ -265,7 +360,7 @@ PIPELINE_SCHEDULES = ("gpipe", "circular")
 @dataclass(frozen=True)
 class PipelineSpec(_Frozen):
     """pipeline: how the layers' stages (mesh.stage) take turns on the micro-batches
-    (runner.models.pipeline, docs/pipeline.md). Set only with mesh.stage above 1 (refused otherwise)."""
+    (runner.models.common.pipeline, docs/pipeline.md). Set only with mesh.stage above 1 (refused otherwise)."""
 
     # gpipe: each stage runs its consecutive layers once per microbatch | circular: the layers go
     # round the stages `repeats` times, each stage holding every stage-th group of layers (a smaller bubble)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runner.models.gpt import LOGICAL_AXIS_RULES
+from runner.models.gpt.model import LOGICAL_AXIS_RULES
 from tests.job_fixture import Unigram
 
 

@@ -119,16 +119,26 @@ def test_every_module_has_a_layer_and_the_table_is_read() -> None:
     graph = import_graph()
     assert {layer_of(m) for m in graph} == set(range(len(LAYERS)))  # every layer has modules
     assert layer_of("runner.main.cli") > layer_of("runner.train.trainer") > layer_of("runner.evaluation.base")
-    assert layer_of("runner.checkpoint.storage") < layer_of("runner.parallel.mesh") < layer_of("runner.models.gpt")
+    assert (layer_of("runner.checkpoint.storage") < layer_of("runner.parallel.mesh")
+            < layer_of("runner.models.gpt.model"))
 
 
 def test_no_family_imports_another() -> None:
-    """The families share their plumbing through runner.models.common, never through each other."""
-    families = {"runner.models.gpt", "runner.models.llama"}
+    """The families (a folder each under runner/models) share their parts through runner.models.common
+    and runner.models.attention, never through each other; the shared parts import no family."""
     graph = import_graph()
-    for family in families:
-        assert not graph[family] & (families - {family}), f"{family} imports another family: share it in common"
-    assert all("runner.models.common" in graph[f] for f in families)
+    shared = ("runner.models.common.", "runner.models.attention.", "runner.models.hf.")
+    folders = {m.split(".")[2] for m in graph if m.startswith("runner.models.") and m.count(".") == 3
+               and not m.startswith(shared)}
+    assert {"gpt", "llama"} <= folders
+    for module, imports in graph.items():
+        if not module.startswith("runner.models.") or module.count(".") != 3:
+            continue
+        own = module.split(".")[2]
+        others = {m for m in imports if m.startswith("runner.models.") and m.count(".") == 3
+                  and m.split(".")[2] in folders - {own}}
+        assert not others, f"{module} imports {sorted(others)}: share it in runner.models.common"
+    assert all("runner.models.common.layers" in graph[f"runner.models.{f}.model"] for f in folders)
 
 
 SPINE = ("main", "train", "checkpoint", "parallel")

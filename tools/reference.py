@@ -57,8 +57,8 @@ NOTICE = (f"*This page is generated from the code by `{COMMAND}`: do not edit it
 REGISTRIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("runner.train.job", "JOBS", "Job classes", ("jobs",)),
     ("runner.models.family", "MODEL_FAMILIES", "Model families", ("runner.models",)),
-    ("runner.models.attention", "ATTENTION", "Attention implementations", ()),
-    ("runner.models.quantization", "FORMATS", "Quantization formats", ()),
+    ("runner.models.attention.kernels", "ATTENTION", "Attention implementations", ()),
+    ("runner.models.common.quantization", "FORMATS", "Quantization formats", ()),
     ("runner.optim.optimizers", "OPTIMIZERS", "Optimizers", ()),
     ("runner.optim.schedules", "SCHEDULES", "Schedules", ()),
     ("runner.evaluation.base", "EVALUATORS", "Evaluators", ("runner.evaluation",)),
@@ -69,8 +69,8 @@ REGISTRIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 # Keys whose choices are a constant of the component that checks them, not its registry's names
 # (the attention registry also holds splash_interpret, which is what splash means off a TPU).
 CHOICE_CONSTANTS = {
-    "job.model.attention": ("runner.models.attention", "CHOICES"),
-    "job.model.quantization_scope": ("runner.models.quantization", "SCOPES"),
+    "job.model.attention": ("runner.models.attention.kernels", "CHOICES"),
+    "job.model.quantization_scope": ("runner.models.common.quantization", "SCOPES"),
 }
 # The config groups a command line picks from (GROUP=OPTION): group -> its directory in conf/.
 GROUPS = (("job", "Jobs"), ("optimizer", "Optimizer groups"), ("schedule", "Schedule groups"),

@@ -4,7 +4,7 @@ Settings (an `eval.evaluators` entry): `prompts`, `max_new_tokens`, `temperature
 greedy decoding; above 0 samples from softmax(logits / temperature)) and `seed`. Sampling keys
 depend only on (seed, token position, prompt index), so the same weights give the same text on
 any topology and after a resume. A model with `init_cache(batch, length)` whose call accepts
-`cache=` and `index=` (runner.models.gpt.GPT does) decodes with a KV cache: the prompt is fed
+`cache=` and `index=` (runner.models.gpt.model.GPT does) decodes with a KV cache: the prompt is fed
 once, then one token per step. Other models are run on the whole sequence at every step.
 
 Texts: `<label>/sample_<i>` is prompt i followed by its continuation (cut at the first

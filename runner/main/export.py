@@ -31,7 +31,9 @@ from runner.checkpoint.checkpointer import META, find_state_dir  # noqa: E402
 from runner.errors import UserError  # noqa: E402
 from runner.exits import USAGE_EXIT_CODE  # noqa: E402
 from runner.models import family_for  # noqa: E402
-from runner.models.hf import MODEL_FILE_PATTERNS, CheckpointParams, export_tensors, write_model_dir  # noqa: E402
+from runner.models.hf.adapter import adapter_of  # noqa: E402
+from runner.models.hf.mapping import (MODEL_FILE_PATTERNS, CheckpointParams, export_tensors,  # noqa: E402
+                                      write_model_dir)
 from runner.spec import spec_from_dict  # noqa: E402
 
 
@@ -101,10 +103,11 @@ def export(source: str | Path, out_dir: str | Path, max_shard_bytes: int = 2 * 2
                         "point at a checkpoint runner wrote.") from None
     family = family_for(spec)
     config = family.config(spec.job.model)
-    if not hasattr(family, "hf_layout"):
-        raise UserError(f"The model family {spec.job.model.family!r} has no Hugging Face layout (hf_config, "
-                        "hf_layout). Fix: add them to the family to export it.")
-    hf_config = family.hf_config(config)
+    adapter = adapter_of(family)
+    if adapter is None:
+        raise UserError(f"The model family {spec.job.model.family!r} has no Hugging Face adapter (`hf` on the "
+                        "family: runner.models.hf.adapter). Fix: declare one to export it.")
+    hf_config = adapter.config(config)
     files, eod = _tokenizer_files(spec)
     origin = spec.job.model.hf  # an imported model's token ids survive its export
     bos = origin.bos_token_id if origin.bos_token_id is not None else eod
@@ -118,7 +121,7 @@ def export(source: str | Path, out_dir: str | Path, max_shard_bytes: int = 2 * 2
         byte_counts[str(dtype)] += int(__import__("numpy").prod(shape)) * dtype.itemsize
     hf_config["dtype"] = _dtype_name(byte_counts)
     removed = prepare_out_dir(out, overwrite)
-    shards = write_model_dir(out, export_tensors(family.hf_layout(config), reader, config.scan_layers), hf_config,
+    shards = write_model_dir(out, export_tensors(adapter.layout(config), reader, config.scan_layers), hf_config,
                              {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}, max_shard_bytes)
     for name, data in files.items():
         (out / name).write_bytes(data)

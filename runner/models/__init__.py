@@ -13,10 +13,16 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models import attention, context, hf, pipeline, quantization, tiling
-from runner.models import gpt, llama  # noqa: F401  (register the built-in families)
-from runner.models.common import OFFLOAD_PLATFORMS
+from runner.models.attention import context
+from runner.models.attention import kernels as attention
+from runner.models.common import pipeline, quantization, tiling
+from runner.models.common.decoder import OFFLOAD_PLATFORMS
 from runner.models.family import MODEL_FAMILIES, ModelFamily
+from runner.models.gemma import model as _gemma  # noqa: F401
+from runner.models.gpt import model as _gpt  # noqa: F401  (each family's model module registers it)
+from runner.models.hf import mapping as hf
+from runner.models.hf.adapter import adapter_of
+from runner.models.llama import model as _llama  # noqa: F401
 from runner.parallel.mesh import mesh_shape, ulysses_heads, usp_group_sizes, usp_ways
 from runner.parallel.topology import parse_topology
 from runner.spec import ExecutionSpec, ModelSpec, validate
@@ -63,7 +69,7 @@ def model_config(spec: ExecutionSpec) -> Any:
 
 def context_choice(spec: ExecutionSpec, target: str = "") -> tuple[str, str]:
     """(job.model.context_parallel with auto resolved for the platform and shape, why auto chose it;
-    empty when it was named or there is no context axis): runner.models.context.choose."""
+    empty when it was named or there is no context axis): runner.models.attention.context.choose."""
     kind = spec.job.model.context_parallel
     if kind != "auto" or spec.mesh.context <= 1:
         return kind, ""
@@ -92,8 +98,8 @@ def check_spec(spec: ExecutionSpec) -> None:
     check_offload(spec, named)
     if hasattr(family, "for_platform"):
         family.for_platform(config, named)
-    if hasattr(family, "hf_architecture"):
-        family.hf_architecture(config)
+    if adapter_of(family):
+        adapter_of(family).architecture(config)
     check_quantization(spec, config)
     tiling.check(spec, config)
     if spec.mesh.stage > 1:
@@ -132,9 +138,10 @@ def hf_family(init_from: str, model_type: Any) -> Any:
     """The registered family that imports config.json's model_type."""
     for name in MODEL_FAMILIES.names():
         family = MODEL_FAMILIES.get(name)
-        if model_type in getattr(family, "hf_model_types", ()):
+        if adapter_of(family) and model_type in adapter_of(family).model_types:
             return family
-    known = sorted((t, n) for n in MODEL_FAMILIES.names() for t in getattr(MODEL_FAMILIES.get(n), "hf_model_types", ()))
+    known = sorted((t, n) for n in MODEL_FAMILIES.names() for t in getattr(adapter_of(MODEL_FAMILIES.get(n)),
+                                                                             "model_types", ()))
     raise ConfigError("run.init_from", init_from, f"its config.json says model_type={model_type!r}, an architecture "
                       f"runner does not implement; it imports {', '.join(f'{t} ({n})' for t, n in known)}.",
                       "import a model of one of those architectures.")
@@ -181,7 +188,7 @@ def with_hf_settings(spec: ExecutionSpec, overrides: Sequence[str]) -> Execution
     if "scale" in user_keys and spec.job.model.scale:
         raise ConfigError("job.model.scale", spec.job.model.scale, "it sets the model's width, and the imported "
                           f"model's dims come from {where / 'config.json'}.", "drop job.model.scale.")
-    settings = family.hf_settings(spec.run.init_from, config, spec.job.model)
+    settings = adapter_of(family).settings(spec.run.init_from, config, spec.job.model)
     # the job file's model settings do not carry over (another family's keys among them): how to
     # run the model (dtypes, kernel, remat, scan, dropout, the context), and what the command line set, do
     keep = {"compute_dtype", "param_dtype", "attention", "remat", "scan_layers", "dropout", "context_length",
@@ -208,13 +215,12 @@ def import_hf_params(spec: ExecutionSpec, config: Any, abstract_params: Any) -> 
     tensor in the files placed, or the import refused naming it."""
     import jax
 
-    family = family_for(spec)
     where = hf.hf_dir(spec.run.init_from)
     shapes = {tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
               for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
-    tensors = hf.HFTensors(where, getattr(family, "hf_base_prefix", ""))
-    buffers = family.hf_buffers(config) if hasattr(family, "hf_buffers") else {}
-    return hf.import_params(family.hf_layout(config), tensors, shapes, config.scan_layers, where, buffers)
+    adapter = adapter_of(family_for(spec))
+    tensors = hf.HFTensors(where, adapter.base_prefix)
+    return hf.import_params(adapter.layout(config), tensors, shapes, config.scan_layers, where, adapter.buffers(config))
 
 
 def place_hf_params(spec: ExecutionSpec, params: Any, abstract_params: Any) -> Any:

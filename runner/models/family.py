@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Protocol, Sequence
 
 from runner.errors import ConfigError
@@ -39,11 +40,13 @@ MODEL_FAMILIES: Registry[Any] = Registry("model family", "job.model.family")
 
 
 def refuse_foreign_keys(model: ModelSpec, family: str, keys: Sequence[str], fix: str) -> None:
-    """A job.model key another family reads, set away from its default, would be ignored here: refuse it."""
+    """A job.model key another family reads, set away from its default, would be ignored here: refuse it.
+    A key may be dotted (`moe.n_group`): a section's field."""
     default = ModelSpec()
     for key in keys:
-        if getattr(model, key) != getattr(default, key):
-            raise ConfigError(f"job.model.{key}", getattr(model, key), f"the {family} family does not read it (it "
+        value = functools.reduce(getattr, key.split("."), model)
+        if value != functools.reduce(getattr, key.split("."), default):
+            raise ConfigError(f"job.model.{key}", value, f"the {family} family does not read it (it "
                               "belongs to another family), so it would change nothing.", fix)
 
 

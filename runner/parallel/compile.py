@@ -442,8 +442,8 @@ def ulysses_summary(config: Any, impl: str, shape: dict[str, int], kind: str = "
 
 def _model_notes(job: Any) -> str:
     """The family's one-line account of how the model runs on this mesh (empty if it has none), and
-    the job's of the tiles of each row's tokens (runner.models.tiling) and of the pipeline
-    (runner.models.pipeline)."""
+    the job's of the tiles of each row's tokens (runner.models.common.tiling) and of the pipeline
+    (runner.models.common.pipeline)."""
     describe = getattr(getattr(job, "family", None), "describe", None)
     notes = [describe(job.model_config, dict(job.mesh.shape)) if describe else "",
              job.tiling() if hasattr(job, "tiling") else "",

@@ -1,12 +1,12 @@
 """The device mesh: six named axes, sized from config, laid out for the interconnect.
 
-``stage`` splits the layers into pipeline stages (runner.models.pipeline; only activations
+``stage`` splits the layers into pipeline stages (runner.models.common.pipeline; only activations
 travel between stages, so it is the axis split across slices when it has more than one way),
 ``data`` is plain data parallelism (split across slices otherwise, since only gradient
 all-reduces should cross the slow data-centre network), ``fsdp`` shards parameters and
 optimizer state as well as the batch, ``expert`` shards a mixture of experts' expert weights
-(tokens travel to their experts and back, runner.models.moe) and splits the batch elsewhere,
-``context`` splits every row's sequence (runner.models.context), and ``tensor`` shards within
+(tokens travel to their experts and back, runner.models.common.moe) and splits the batch elsewhere,
+``context`` splits every row's sequence (runner.models.attention.context), and ``tensor`` shards within
 layers.
 
 Meshes use ``AxisType.Auto`` on every axis. ``jax.make_mesh`` (since JAX 0.10) defaults to
@@ -173,7 +173,7 @@ def run_mesh(spec: Any, devices: Sequence[Any] | None = None) -> tuple[Topology,
 
 def check_context(spec: Any, context: int, tensor: int = 0) -> None:
     """A context axis of `context` shards: rows cut into 2 x that many equal chunks (the zig-zag
-    layout, runner.models.context), attended by the splash kernel (each shard's tokens, or with
+    layout, runner.models.attention.context), attended by the splash kernel (each shard's tokens, or with
     ring each half of them, in whole tiles) or by XLA blocks, where cuDNN has no form; ulysses
     attends whole rows with any kernel, its heads split over the axis (`check_ulysses`)."""
     if context <= 1:
@@ -266,11 +266,25 @@ def usp_ways(spec: Any, context: int, tensor: int = 0) -> int:
                       f"of this many shards and a ring between them; {why}.", fix)
 
 
+def check_no_context(spec: Any) -> None:
+    """mesh.context=1 splits no row: a context-parallel kind or a usp group size named for it would
+    change nothing, so it is refused rather than ignored."""
+    model = spec.job.model
+    if spec.mesh.context != 1 or (model.context_parallel == "auto" and not model.ulysses_ways):
+        return
+    key, value = (("job.model.ulysses_ways", model.ulysses_ways) if model.ulysses_ways
+                  else ("job.model.context_parallel", model.context_parallel))
+    raise ConfigError(key, value, "it says how rows split over the mesh's context axis attend, and mesh.context=1 "
+                      "splits no row: the run would train as if it were unset.",
+                      f"set mesh.context to 2 or more (e.g. mesh.context=4) to split rows, or drop {key}.")
+
+
 def check_spec(spec: Any) -> None:
     """The mesh against the topology: every micro-batch (and eval batch) splits evenly over the
     data x fsdp x expert ways of the mesh the topology gives, the expert axis divides the
     experts, and the context axis fits the rows (`check_context`)."""
     topology = parse_topology(spec.topology)
+    check_no_context(spec)
     check_context(spec, spec.mesh.context)
     experts = spec.job.model.moe.n_experts
     if experts and spec.mesh.expert > 1 and experts % spec.mesh.expert:

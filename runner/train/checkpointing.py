@@ -27,7 +27,7 @@ from runner.checkpoint import checkpointer as ckpt
 from runner.checkpoint import checksum, local_tier, replicas, storage
 from runner.errors import first_line
 from runner.models import place_hf_params
-from runner.models.hf import HF_PREFIX
+from runner.models.hf.mapping import HF_PREFIX
 from runner.observability.goodput import Goodput
 from runner.observability.metrics import METRICS_FILE, truncate_jsonl
 from runner.parallel.distributed import all_processes, any_process, from_process, steps_by_process

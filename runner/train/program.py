@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 
-from runner.models.common import MODEL_STATE
+from runner.models.common.layers import MODEL_STATE
 from runner.optim import build_optimizer, build_schedule, offload, optimizer_settings, schedule_extra
 from runner.optim.optimizers import param_axis_names
 from runner.parallel.mesh import microbatch_sharding

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from runner.models.common import MODEL_STATE
+from runner.models.common.layers import MODEL_STATE
 from runner.optim.offload import on_host
 from runner.optim.sharding import opt_state_sharding
 from runner.train.guards import initial_guard_state

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import optax
 
 from runner.data.documents import model_inputs
-from runner.models.common import LOSSES, MODEL_STATE, REPORTS, Decoder
+from runner.models.common.layers import LOSSES, MODEL_STATE, REPORTS
+from runner.models.common.decoder import Decoder
 from runner.observability import debug
 from runner.optim import offload, schedules
 from runner.parallel.mesh import microbatch_sharding
@@ -27,7 +28,7 @@ LossFn = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Arra
 
 def targets_of(state: Any, micro: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """The targets for a model that computes its own per-token losses (a `Decoder`: so that it can
-    tile its output head, runner.models.tiling), else nothing: the model returns logits."""
+    tile its output head, runner.models.common.tiling), else nothing: the model returns logits."""
     return {"targets": micro["y"]} if isinstance(getattr(state.apply_fn, "__self__", None), Decoder) else {}
 
 

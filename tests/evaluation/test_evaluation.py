@@ -26,7 +26,7 @@ from runner.evaluation.heldout import HeldOutLoss
 from runner.evaluation.multiple_choice import MultipleChoice
 from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
-from runner.models.gpt import GPT, GPTConfig
+from runner.models.gpt.model import GPT, GPTConfig
 from runner.spec import EvaluatorSpec, ExecutionSpec, register_schema, spec_from_dict
 from runner.train.job import JOBS, load_job_modules
 from runner.train.state import TrainState

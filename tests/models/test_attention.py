@@ -20,9 +20,9 @@ import pytest
 
 from runner.data.documents import DocumentMask, DocumentMasked
 from runner.errors import ConfigError
-from runner.models import attention
-from runner.models.gpt import GPT, GPTConfig
-from runner.models.llama import Llama, LlamaConfig
+from runner.models.attention import kernels as attention
+from runner.models.gpt.model import GPT, GPTConfig
+from runner.models.llama.model import Llama, LlamaConfig
 from tests.conftest import ROOT, fork_server, read_metrics, run_runner, runner_env
 from tests.forked import run as forked
 
@@ -69,6 +69,37 @@ def test_every_implementation_agrees_with_xla_with_segments(impl: str, kv_heads:
         np.testing.assert_allclose(attention.attend(impl, q, k, v, None), unsegmented, atol=TOL)
 
 
+def windowed_reference(q, k, v, segments, window: int):
+    """Attention by an explicit boolean mask: earlier keys of the query's document, within its window."""
+    i = np.arange(q.shape[1])
+    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    mask = jnp.asarray(allowed)[None, None] & (segments[:, :, None] == segments[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+@pytest.mark.parametrize("impl", HERE_IMPLS)
+def test_a_sliding_window_masks_every_implementation_by_place_with_segments(impl: str) -> None:
+    """A query sees its last `window` keys (itself included, Hugging Face's sliding_window) of its
+    own document: each implementation against an explicit mask, outputs and gradients; splash's
+    windowed mask skips the blocks out of reach (windows of 40: blocks of 128 partly in reach)."""
+    q, k, v, segments = qkv_and_segments()
+
+    def run(fn):
+        out, pullback = jax.vjp(fn, q, k, v)
+        return out, pullback(jnp.cos(out))
+
+    with jax.default_matmul_precision("float32"):
+        for window in (40, 1):
+            want, want_grads = run(lambda a, b, c: windowed_reference(a, b, c, segments, window))
+            got, got_grads = run(lambda a, b, c: attention.attend(impl, a, b, c, segments, window=window))
+            np.testing.assert_allclose(got, want, atol=TOL)
+            for g, w in zip(got_grads, want_grads):
+                np.testing.assert_allclose(g, w, atol=TOL)
+        whole = attention.attend(impl, q, k, v, segments)
+    assert float(jnp.max(jnp.abs(whole - attention.attend(impl, q, k, v, segments, window=40)))) > 0.1
+    np.testing.assert_allclose(attention.attend(impl, q, k, v, segments, window=128), whole, atol=TOL)
+
+
 @pytest.mark.skipif(not GPU, reason="cuDNN attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_cudnn_agrees_in_bfloat16(kv_heads: int) -> None:
@@ -86,7 +117,7 @@ SHARDED = """
 import json, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from tests.models.test_attention import qkv_and_segments, outputs_and_grads
 from runner.parallel.mesh import make_mesh
-from runner.models.llama import axis_rules, LlamaConfig
+from runner.models.llama.model import axis_rules, LlamaConfig
 mesh = make_mesh({"data": 2, "fsdp": 1, "tensor": 2})
 errors = {}
 for kv_heads in (2, 1):  # kv heads split over tensor; one kv head, replicated
@@ -192,7 +223,7 @@ MODELS = {
 def test_init_traces_no_kernel_and_gives_the_kernels_parameters(family: str, monkeypatch) -> None:
     """model.init traces a forward pass it throws away: it attends by XLA, so a kernel's tables are
     never built for it (minutes for a million-token row), and the parameters are the same."""
-    from runner.models import splash
+    from runner.models.attention import splash
 
     tokens = jnp.zeros((1, 128), jnp.int32)
     want = jax.eval_shape(MODELS[family]("xla").init, jax.random.PRNGKey(0), tokens)
@@ -284,8 +315,8 @@ def test_the_splash_mask_tables_are_splash_s_own_built_without_evaluating_every_
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
 
-    from runner.models import splash
-    from runner.models.context import zigzag_order
+    from runner.models.attention import splash
+    from runner.models.attention.context import zigzag_order
 
     placed = splash._placed_causal_mask()
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from runner.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig, flops_per_token, param_count
+from runner.models.gpt.model import GPT, LOGICAL_AXIS_RULES, GPTConfig, flops_per_token, param_count
 from tests.conftest import fork_server, runner_env
 from tests.forked import run
 
@@ -253,7 +253,7 @@ _MESH_SCRIPT = textwrap.dedent(
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from runner.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig
+    from runner.models.gpt.model import GPT, LOGICAL_AXIS_RULES, GPTConfig
     from runner.parallel.mesh import make_mesh
 
     assert jax.device_count() == 4, jax.devices()

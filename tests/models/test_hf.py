@@ -23,7 +23,8 @@ from runner.evaluation.generate import generate_tokens
 from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
 from runner.main.export import export
-from runner.models import family_for, hf
+from runner.models import family_for
+from runner.models.hf import mapping as hf
 from runner.spec import register_schema
 from runner.train.job import JOBS, load_job_modules
 from tests.conftest import TINY, read_metrics, run_runner
@@ -163,7 +164,7 @@ def test_greedy_generation_equals_transformers(tmp_path: Path, name: str) -> Non
     shapes = {tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape) for path, leaf in
               jax.tree_util.tree_flatten_with_path(nn.unbox(jax.eval_shape(
                   module.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"])[0]}
-    params = hf.import_params(family.hf_layout(config), hf.hf_tensor_reader(tmp_path / "hf"), shapes,
+    params = hf.import_params(family.hf.layout(config), hf.hf_tensor_reader(tmp_path / "hf"), shapes,
                               config.scan_layers, tmp_path / "hf")
     assert_greedy_as_transformers(module, params, model)
 

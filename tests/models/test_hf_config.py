@@ -34,7 +34,10 @@ from runner.errors import ConfigError, UserError
 from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
 from runner.main.export import export
-from runner.models import family_for, gpt_hf, hf, import_hf_params, llama_hf
+from runner.models import family_for, import_hf_params
+from runner.models.gpt import hf as gpt_hf
+from runner.models.hf import mapping as hf
+from runner.models.llama import hf as llama_hf
 from runner.spec import register_schema
 from runner.train.job import JOBS, load_job_modules
 from tests.conftest import TINY as TINY_WITH_DIMS
@@ -181,6 +184,10 @@ SUPPORTED: dict[str, tuple[str, Callable[[], Any], Callable[[dict], None] | None
                                                                        tie_word_embeddings=True), None),
     "qwen2_sliding_flag_without_window_layers": ("qwen2", lambda: transformers.Qwen2Config(
         **DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=2), None),
+    # a window in every layer, shorter than the tokens: job.model.window.size (Mistral v0.1's, Qwen2's)
+    "mistral_sliding_window": ("mistral", lambda: transformers.MistralConfig(**DECODER, sliding_window=5), None),
+    "qwen2_window_in_every_layer": ("qwen2", lambda: transformers.Qwen2Config(
+        **DECODER, use_sliding_window=True, sliding_window=6, max_window_layers=0), None),
     "gpt2_relu_eps": ("gpt2", lambda: transformers.GPT2Config(**GPT2, activation_function="relu",
                                                               layer_norm_epsilon=0.1), None),
     "gpt2_quick_gelu_untied": ("gpt2", lambda: transformers.GPT2Config(**GPT2, activation_function="quick_gelu",
@@ -220,6 +227,8 @@ def test_supported_field_imports_with_parity_and_exports_as_it_came(tmp_path: Pa
                 "mlp_bias", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
         if original.get(key) is not None:
             assert again[key] == original[key], key
+    if spec.job.model.window.size:  # a window in every layer goes out as it came
+        assert again["sliding_window"] == original["sliding_window"] == spec.job.model.window.size
     rope = original.get("rope_parameters") or original.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     assert again.get("rope_parameters", {"rope_type": "default"})["rope_type"] == kind
@@ -269,7 +278,7 @@ def test_tensors_the_model_does_not_use_are_refused_by_name(tmp_path: Path) -> N
     tensors = load_file(str(file))
     spec = spec_for(*TINY, *JOB["llama"], f"run.init_from=hf:{tmp_path / 'tied'}")
     config = family_for(spec).config(spec.job.model)
-    from runner.models.llama import rope_frequencies
+    from runner.models.llama.model import rope_frequencies
 
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = rope_frequencies(config)
@@ -289,9 +298,9 @@ def test_tensors_the_model_does_not_use_are_refused_by_name(tmp_path: Path) -> N
 # --------------------------------------------------------------------------------------------- refused
 
 REFUSED: dict[str, tuple[Callable[[], Any], Callable[[dict], None] | None, str]] = {
-    "mistral_sliding_window": (lambda: transformers.MistralConfig(**DECODER, sliding_window=8), None, "sliding_window"),
-    "qwen2_use_sliding_window": (lambda: transformers.Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=8,
-                                                                  max_window_layers=0), None, "sliding_window"),
+    "qwen2_window_in_later_layers": (lambda: transformers.Qwen2Config(**DECODER, use_sliding_window=True,
+                                                                      sliding_window=8, max_window_layers=1),
+                                     None, "sliding_window"),
     "qwen3_sliding_layer_types": (lambda: transformers.Qwen3Config(**DECODER, use_sliding_window=True, sliding_window=4,
                                                                    layer_types=["full_attention", "sliding_attention"]),
                                   None, "sliding_window"),
@@ -340,7 +349,8 @@ def test_unsupported_field_is_refused_naming_it(tmp_path: Path, name: str) -> No
 
 @pytest.mark.deep
 def test_a_refusal_end_to_end_is_exit_2_without_a_run_directory(tmp_path: Path) -> None:
-    save(tmp_path / "hf", transformers.MistralConfig(**DECODER, sliding_window=8))
+    save(tmp_path / "hf", transformers.Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=8,
+                                                   max_window_layers=1))  # full attention, then a window
     out = run_runner([*TINY, "job=llama_tiny", "run.init_from=hf:hf", "run.dir=run"], tmp_path)
     assert out.returncode == 2 and "sliding_window=8" in out.stderr and "context_length" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
@@ -348,7 +358,7 @@ def test_a_refusal_end_to_end_is_exit_2_without_a_run_directory(tmp_path: Path) 
     ok = run_runner([*TINY, "job=llama_tiny", "run.init_from=hf:hf", "run.dir=run", "job.model.context_length=8",
                      "train.seq_len=8", "train.steps=1", "eval.every=0"], tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "MistralForCausalLM" in ok.stdout
+    assert "Qwen2ForCausalLM" in ok.stdout
 
 
 def test_unknown_architecture_names_the_init_from_value_and_the_model_type(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from runner.errors import ConfigError
 from runner.main.cli import CONF_DIR, CONFIG_NAME
 from runner.main.config import build_spec
 from runner.models import family_for
-from runner.models.llama import Llama, LlamaConfig, axis_rules, rope_frequencies
+from runner.models.llama.model import Llama, LlamaConfig, axis_rules, rope_frequencies
 from runner.spec import register_schema
 from runner.train.job import load_job_modules
 from tests.conftest import TINY, read_metrics, run_runner
@@ -60,6 +60,7 @@ VARIANTS = {
     "all_biases_gelu_linear_rope": dict(n_heads=4, n_kv_heads=2, qkv_bias=True, out_bias=True, mlp_bias=True,
                                         activation="gelu", rope_scaling="linear", rope_factor=2.0),
     "yarn_rope": dict(n_heads=4, n_kv_heads=2, rope_scaling="yarn", rope_factor=4.0, rope_original_context=8),
+    "sliding_window": dict(n_heads=4, n_kv_heads=2, window=4),  # Mistral v0.1's: the cache masks by it too
 }
 
 
@@ -87,7 +88,7 @@ def unstack(params: dict, layers: int) -> dict:
 def test_scanned_and_unrolled_agree_and_a_cache_decodes_the_same_logits(variant: str) -> None:
     scanned, unrolled = Llama(tiny(True, **VARIANTS[variant])), Llama(tiny(False, **VARIANTS[variant]))
     params = random_params(scanned)
-    from runner.models.llama import param_count
+    from runner.models.llama.model import param_count
 
     assert param_count(scanned.cfg) == sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     tokens = jax.random.randint(jax.random.key(1), (3, 12), 0, 61)
@@ -106,7 +107,7 @@ def test_scanned_and_unrolled_agree_and_a_cache_decodes_the_same_logits(variant:
 
 def test_rotary_positions_are_relative() -> None:
     """Query-key products depend on the distance between positions, not on where they are."""
-    from runner.models.llama import apply_rope
+    from runner.models.llama.model import apply_rope
 
     inv = rope_frequencies(tiny(True, rope_scaling="llama3", rope_factor=4.0, rope_original_context=16))
     q, k = jax.random.normal(jax.random.key(3), (2, 1, 5, 1, 12))
@@ -149,13 +150,27 @@ def test_bad_llama_settings_name_their_key() -> None:
     # a key only the other family reads is refused, not ignored
     for job, key, value in (("gpt_tiny", "mlp_bias", "true"), ("gpt_tiny", "rope.theta", "5000"),
                             ("gpt_tiny", "n_kv_heads", "2"), ("llama_tiny", "dropout", "0.1"),
-                            ("llama_tiny", "use_bias", "false")):
+                            ("llama_tiny", "use_bias", "false"), ("gpt_tiny", "window.size", "16"),
+                            ("llama_tiny", "mla.kv_lora_rank", "64"), ("llama_tiny", "mtp.depth", "1"),
+                            ("llama_tiny", "softcap.final", "30"), ("gpt_tiny", "query_pre_attn_scalar", "64")):
         with pytest.raises(ConfigError) as info:
             spec_for(f"job={job}", f"job.model.{key}={value}")
         assert info.value.key == f"job.model.{key.split('.')[0]}" and "does not read it" in str(info.value)
     with pytest.raises(ConfigError) as info:
         spec_for("job=llama_tiny", "job.model.activation=tanh")
     assert info.value.key == "job.model.activation"
+    # the window's interleaving and DeepSeek-V3's routing are other families': refused with the family that has them
+    for key, value, family in (("window.global_every", "2", "gemma"), ("moe.n_group", "2", "deepseek"),
+                               ("moe.routed_scaling", "2.5", "deepseek")):
+        with pytest.raises(ConfigError) as info:
+            spec_for("job=moe_tiny", "job.model.window.size=16", f"job.model.{key}={value}")
+        assert info.value.key == f"job.model.{key}" and f"family={family}" in str(info.value)
+    # a context-parallel setting with no context axis would change nothing: refused, not ignored
+    for overrides in (["job.model.context_parallel=usp", "job.model.ulysses_ways=3"],
+                      ["job.model.context_parallel=ring"]):
+        with pytest.raises(ConfigError) as info:
+            spec_for("job=llama_tiny", "mesh.context=1", *overrides)
+        assert info.value.key == overrides[-1].split("=")[0] and "mesh.context=1 splits no row" in str(info.value)
 
 
 @pytest.mark.deep
@@ -182,7 +197,7 @@ def test_remat_auto_saves_only_the_weight_matmuls_when_scanned_and_nothing_is_re
     """job.model.remat=auto (the default): a scanned stack is rematerialised with the dots policy
     (its forward's jaxpr has a checkpoint whose policy is checkpoint_dots_with_no_batch_dims), an unrolled
     one not at all; gradients are those of remat=none either way."""
-    from runner.models.common import REMAT_POLICIES, remat_of
+    from runner.models.common.decoder import REMAT_POLICIES, remat_of
 
     def checkpoints(jaxpr, found):
         for eqn in jaxpr.eqns:

@@ -10,19 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runner.models.moe import (
-    balance_loss,
-    capacity,
-    capacity_experts,
-    dense_experts,
-    expert_load,
-    ragged_experts,
-    route,
-    routing_sums,
-    settle,
-    updated_bias,
-    z_loss,
-)
+from runner.models.common.moe import (balance_loss, capacity, capacity_experts, dense_experts, expert_load,
+    ragged_experts, route, routing_sums, settle, updated_bias, z_loss)
 from tests.conftest import LEARNING, TINY, read_metrics, run_runner, xla_flags
 from tests.parallel.equivalence import LOSS_RTOL
 
@@ -151,7 +140,7 @@ def test_balance_terms() -> None:
 # --------------------------------------------------------------------------- the llama family's MoE layers
 
 def moe_config(**moe: object):
-    from runner.models.llama import LlamaFamily
+    from runner.models.llama.model import LlamaFamily
     from runner.spec import ModelSpec, MoESpec
 
     settings = {"n_experts": 4, "top_k": 2, "d_ff_expert": 24, **moe}
@@ -172,7 +161,7 @@ def packed_inputs() -> dict[str, jax.Array]:
 def test_the_family_s_dispatches_give_the_reference_logits_and_gradients(scan: bool) -> None:
     import dataclasses
 
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
 
     inputs = packed_inputs()
     base = dataclasses.replace(moe_config(n_shared_experts=1), scan_layers=scan)
@@ -205,7 +194,7 @@ def test_leading_dense_layers_keep_a_dense_mlp_and_decode_with_their_cache(scan:
 
     import flax.linen as nn
 
-    from runner.models.llama import Llama, LlamaFamily
+    from runner.models.llama.model import Llama, LlamaFamily
 
     cfg = dataclasses.replace(moe_config(first_dense_layers=1), n_layers=3, scan_layers=scan)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, 64)
@@ -226,7 +215,7 @@ def test_leading_dense_layers_keep_a_dense_mlp_and_decode_with_their_cache(scan:
 
 
 def test_parameter_count_and_flops_count_every_expert_and_the_active_ones() -> None:
-    from runner.models.llama import Llama, LlamaFamily
+    from runner.models.llama.model import Llama, LlamaFamily
 
     cfg = moe_config(n_shared_experts=1)
     params = Llama(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))["params"]
@@ -242,7 +231,7 @@ def test_parameter_count_and_flops_count_every_expert_and_the_active_ones() -> N
 def test_the_train_step_adds_the_weighted_balancing_terms_and_reports_them() -> None:
     import optax
 
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
     from runner.train.state import create_state
     from runner.train.steps import token_loss
 
@@ -287,7 +276,8 @@ def test_the_progress_line_summarises_the_experts_load() -> None:
 
 def test_moe_settings_the_model_cannot_honour_are_refused() -> None:
     from runner.errors import ConfigError, UserError
-    from runner.models import gpt, llama_hf
+    from runner.models.gpt import model as gpt
+    from runner.models.llama import hf as llama_hf
     from runner.spec import ModelSpec, MoESpec
 
     with pytest.raises(ConfigError, match="job.model.moe.n_experts=4.*gpt family has no mixture-of-experts"):
@@ -385,7 +375,7 @@ def test_exporting_an_moe_run_is_refused_with_one_paragraph(tmp_path, moe_whole)
 def test_muon_orthogonalises_each_expert_s_matrices_apart() -> None:
     import flax.linen as nn
 
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
     from runner.optim.optimizers import muon_dimension_numbers, param_axis_names
 
     variables = jax.eval_shape(Llama(moe_config()).init, jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))
@@ -408,7 +398,7 @@ PUBLISHED_MOE = {"mixtral_8x7b": (46_702_792_704, 12_879_925_248), "qwen3_30b_a3
 def test_published_moe_shapes_count_every_parameter_and_the_active_ones(name: str) -> None:
     import flax.linen as nn
 
-    from runner.models.llama import Llama, LlamaFamily
+    from runner.models.llama.model import Llama, LlamaFamily
     from tests.models.test_models import spec_for
 
     total, active = PUBLISHED_MOE[name]
@@ -429,7 +419,7 @@ def test_the_selection_bias_is_state_that_moves_toward_even_load_and_never_gets_
     toward even load: up for the idle experts, down for the busy ones."""
     import optax
 
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
     from runner.train.state import create_state, state_tree
     from runner.train.steps import train_step
 
@@ -466,7 +456,7 @@ def test_under_accumulation_the_bias_moves_by_the_mean_of_the_micro_batches_upda
     keeps its bias), not the last micro-batch's."""
     import optax
 
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
     from runner.train.state import create_state
     from runner.train.steps import train_step
 
@@ -491,7 +481,7 @@ def test_under_accumulation_the_bias_moves_by_the_mean_of_the_micro_batches_upda
 def test_megablox_s_grouped_matmul_equals_ragged_dot_forward_and_gradients() -> None:
     """dispatch gmm (auto on TPU): megablox's kernel, run here by its interpreter, against
     ragged_dot, rows past the groups' sum included (they come out zero and take no gradient)."""
-    from runner.models.moe import grouped_matmul
+    from runner.models.common.moe import grouped_matmul
 
     rows = jax.random.normal(jax.random.PRNGKey(0), (40, 16))
     w = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 12))
@@ -512,7 +502,7 @@ def test_dispatch_auto_is_the_platform_s_and_gmm_is_refused_off_tpu() -> None:
     import dataclasses
 
     from runner.errors import ConfigError
-    from runner.models.llama import LlamaFamily
+    from runner.models.llama.model import LlamaFamily
 
     cfg = moe_config(dispatch="auto")
     assert (LlamaFamily.for_platform(cfg, "tpu").moe_dispatch, LlamaFamily.for_platform(cfg, "tpu").moe_kernel) == \
@@ -523,7 +513,7 @@ def test_dispatch_auto_is_the_platform_s_and_gmm_is_refused_off_tpu() -> None:
     with pytest.raises(ConfigError, match=r"job.model.moe.dispatch='gmm'.*TPU kernel.*platform is cpu"):
         LlamaFamily.for_platform(moe_config(dispatch="gmm"), "cpu")
     # the family's dispatches through the model: gmm (interpreted here) gives the reference's logits
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
 
     inputs = packed_inputs()
     base = dataclasses.replace(moe_config(), moe_dispatch="dense")

@@ -1,4 +1,4 @@
-"""Quantized training (job.model.quantization, runner.models.quantization): every matmul the
+"""Quantized training (job.model.quantization, runner.models.common.quantization): every matmul the
 scope names runs quantized forward and backward (counted in the step's jaxpr, so a layer left
 in bf16 fails), every parameter still learns, refusals, the run card and MFU, mode=compile's
 count, the CPU training bound against bf16, SIGKILL resume and the export's parity."""
@@ -17,9 +17,9 @@ import pytest
 from jax.extend import core as jcore
 
 from runner.errors import ConfigError
-from runner.models import quantization
-from runner.models.gpt import GPTConfig, GPTFamily
-from runner.models.llama import LlamaConfig, LlamaFamily
+from runner.models.common import quantization
+from runner.models.gpt.model import GPTConfig, GPTFamily
+from runner.models.llama.model import LlamaConfig, LlamaFamily
 from tests.conftest import LEARNING, TINY, read_metrics, run_runner, xla_flags
 
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

@@ -1,4 +1,4 @@
-"""Tiles of each row's tokens (runner.models.tiling, job.model.loss_tiles and mlp_tiles): the output
+"""Tiles of each row's tokens (runner.models.common.tiling, job.model.loss_tiles and mlp_tiles): the output
 head with its loss, and the dense feed-forward, computed tile by tile give the untiled loss and
 every gradient, under an outer scale of the loss, for both families and an MoE, with packed
 documents, on one device and on 4 and 8; the whole logits never exist in the tiled step; auto
@@ -21,8 +21,8 @@ from tests.parallel.equivalence import relative_error, run_script
 
 MODELS = """
 import dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
-from runner.models.llama import Llama, LlamaConfig, LlamaFamily
-from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from runner.models.llama.model import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt.model import GPT, GPTConfig, GPTFamily
 from tests.models.test_moe import moe_config
 
 tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 32), 0, 64)
@@ -144,7 +144,8 @@ def test_auto_tiles_the_head_only_when_a_devices_logits_would_be_large() -> None
     """loss_tiles=0 (the default): the tiny jobs' logits are small, so untiled; llama3_8b at 131,072
     tokens a row on a v5p-256 (1.96 GiB of logits a device) in tiles of at most 256 MiB, said at launch; a quantized
     head stays whole (a tile's scales would differ)."""
-    from runner.models import model_config, tiling
+    from runner.models import model_config
+    from runner.models.common import tiling
 
     tiny = _spec("job=llama_tiny")
     assert model_config(tiny).loss_tiles == 1 and tiling.describe(model_config(tiny), tiny) == ""

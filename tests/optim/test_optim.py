@@ -317,7 +317,7 @@ def _scanned_gpt_params() -> tuple[dict, dict]:
     """(abstract params, logical partition specs) of a small scanned GPT."""
     import flax.linen as nn
 
-    from runner.models.gpt import GPT, GPTConfig
+    from runner.models.gpt.model import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=2, scan_layers=True)
     boxed = jax.eval_shape(GPT(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))
@@ -350,7 +350,7 @@ def test_every_optimizer_state_gets_a_sharding_that_fits_it(name: str) -> None:
     import flax.linen as nn
     from jax.sharding import Mesh
 
-    from runner.models.gpt import LOGICAL_AXIS_RULES
+    from runner.models.gpt.model import LOGICAL_AXIS_RULES
     from runner.optim.optimizers import param_axis_names
     from runner.optim.sharding import opt_state_sharding
 

@@ -19,8 +19,8 @@ from tests.parallel.equivalence import assert_close_losses, run_script
 EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from runner.parallel.mesh import make_mesh
-from runner.models.llama import Llama, LlamaConfig, LlamaFamily
-from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from runner.models.llama.model import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt.model import GPT, GPTConfig, GPTFamily
 from tests.models.test_moe import moe_config
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
@@ -36,7 +36,9 @@ llama = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4
 models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
           "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
           "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)),
-          "moe": (Llama, LlamaFamily, dataclasses.replace(moe_config(n_shared_experts=1), context_length=32))}
+          "moe": (Llama, LlamaFamily, dataclasses.replace(moe_config(n_shared_experts=1), context_length=32)),
+          # a sliding window of 5 keys: it crosses the chunks of 4 (context 4) and 8 (context 2) of every shard
+          "llama_window": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2, window=5))}
 # meshes of 4 (on the first 4 devices): every kind; meshes of 8: usp, ulysses and ring beside other axes
 fours = ({"data": 1, "fsdp": 1, "context": 4, "tensor": 1}, {"data": 2, "fsdp": 1, "context": 2, "tensor": 1},
          {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "context": 2, "tensor": 2})
@@ -45,7 +47,8 @@ cases = {"llama_gqa": [({"context": 8}, "usp", 2), ({"context": 8}, "usp", 4), (
                        ({"fsdp": 2, "context": 4}, "ring", 0)],
          "llama_mqa": [({"context": 8}, "usp", 4), ({"context": 4, "tensor": 2}, "usp", 2)],
          "gpt": [({"context": 8}, "usp", 2), ({"fsdp": 2, "context": 4}, "ulysses", 0)],
-         "moe": [({"expert": 2, "context": 4}, "usp", 2), ({"expert": 2, "context": 4}, "ulysses", 0)]}
+         "moe": [({"expert": 2, "context": 4}, "usp", 2), ({"expert": 2, "context": 4}, "ulysses", 0)],
+         "llama_window": [({"context": 8}, "usp", 2)]}
 out = {"4": {}, "8": {}}
 for name, (Model, Family, cfg) in models.items():
     params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
@@ -85,13 +88,14 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 @pytest.mark.deep
 def test_context_meshes_give_the_one_device_logits_and_gradients(equivalence) -> None:
     """(context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2), allgather,
-    ring and ulysses (and usp on context 4: groups of 2, a ring of 2), for llama (GQA and MQA) and
-    gpt: every logit and every gradient within float32 rounding. Ulysses there covers both of its
+    ring and ulysses (and usp on context 4: groups of 2, a ring of 2), for llama (GQA and MQA, and
+    with a sliding window across the shards' chunks) and gpt: every logit and every gradient within
+    float32 rounding. Ulysses there covers both of its
     head layouts: key/value heads that split over the context axis (GQA's 2 over context 2) and
     ones repeated to one per query head (MQA; GQA's 2 over context 4, or 1 per device beside
     tensor 2)."""
     out = equivalence["4"]
-    assert len(out) == 39
+    assert len(out) == 52
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         kind = name.rsplit("/", 1)[1]
@@ -108,7 +112,7 @@ def test_on_8_devices_usp_ulysses_and_ring_give_the_one_device_logits_and_gradie
     for llama (GQA, MQA), gpt and an MoE (against its dense dispatch), with packed documents:
     every logit and every gradient within float32 rounding of one device."""
     out = equivalence["8"]
-    assert len(out) == 12
+    assert len(out) == 13
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         kind = name.rsplit("/", 1)[1]
@@ -119,11 +123,11 @@ def test_on_8_devices_usp_ulysses_and_ring_give_the_one_device_logits_and_gradie
 
 SPLASH_EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
-import runner.models.splash as splash
-import runner.models.splash_ring as splash_ring
+import runner.models.attention.splash as splash
+import runner.models.attention.splash_ring as splash_ring
 from runner.parallel.mesh import make_mesh
-from runner.models.llama import Llama, LlamaConfig, LlamaFamily
-from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from runner.models.llama.model import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt.model import GPT, GPTConfig, GPTFamily
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
 KINDS, T = ("allgather", "ulysses"), 512  # the ring test replaces this line
@@ -230,7 +234,7 @@ def test_the_splash_kernel_per_ring_block_gives_the_one_device_logits_and_gradie
 
 
 def test_the_zigzag_layout_gives_every_shard_the_same_causal_work() -> None:
-    from runner.models.context import zigzag_order
+    from runner.models.attention.context import zigzag_order
 
     order = zigzag_order(32, 4)
     assert sorted(order) == list(range(32)) and list(order[:8]) == [0, 1, 2, 3, 28, 29, 30, 31]
@@ -251,7 +255,7 @@ def losses(run_dir) -> dict[int, float]:
 @pytest.mark.e2e
 def test_context_meshes_train_the_one_device_curve_and_resume_onto_another_context_size(tmp_path) -> None:
     """30 steps of packed documents through `python -m runner`: (data 2, context 2) by allgather
-    and by ulysses, both with the loss and the feed-forward in 2 tiles (runner.models.tiling),
+    and by ulysses, both with the loss and the feed-forward in 2 tiles (runner.models.common.tiling),
     (context 4) by ring and by usp (groups of 2, a ring of 2: the ways usp picks for 2 heads),
     untiled, match one untiled device; a run killed at step 22 resumes bit-exact on the same mesh
     (allgather and ulysses tiled, usp), and a tiled one (a copy of the killed allgather run) on an
@@ -332,8 +336,8 @@ def test_a_splash_run_split_over_context_trains_the_one_device_curve(tmp_path) -
 def test_the_state_is_split_over_context_too_and_activations_keep_their_layout(family: str) -> None:
     import flax.linen as nn
 
-    from runner.models.gpt import GPTConfig, GPTFamily
-    from runner.models.llama import LlamaConfig, LlamaFamily
+    from runner.models.gpt.model import GPTConfig, GPTFamily
+    from runner.models.llama.model import LlamaConfig, LlamaFamily
 
     sizes = dict(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)
     llama = LlamaConfig(**sizes, head_dim=8, d_ff=48, n_kv_heads=2)
@@ -510,7 +514,7 @@ def test_auto_picks_the_context_split_per_platform_and_shape_and_says_why(topolo
     memory, else ring (splash per block), else allgather; on a CPU allgather. The model runs what
     was chosen, and the reason is what the launch's attention line adds."""
     from runner.models import context_choice, model_config
-    from runner.models.context import whole_row_tables_fit
+    from runner.models.attention.context import whole_row_tables_fit
     from runner.spec import ExecutionSpec, MeshSpec, ModelSpec, TrainSpec
 
     spec = dataclasses.replace(ExecutionSpec(topology=topology), mesh=MeshSpec(data=1, context=4),

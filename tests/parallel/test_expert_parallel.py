@@ -16,7 +16,7 @@ EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, flax.linen as nn
 from tests.models.test_moe import moe_config
 from runner.parallel.mesh import make_mesh
-from runner.models.llama import Llama, LlamaFamily
+from runner.models.llama.model import Llama, LlamaFamily
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
 tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 16), 0, 64)

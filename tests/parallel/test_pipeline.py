@@ -1,4 +1,4 @@
-"""Pipeline parallelism (mesh.stage, the pipeline section, runner.models.pipeline): the gpipe and
+"""Pipeline parallelism (mesh.stage, the pipeline section, runner.models.common.pipeline): the gpipe and
 circular schedules run every layer in the model's order on every microbatch; stage meshes beside
 data, fsdp, tensor and context give the one-device logits, gradients and losses, for both
 families, grouped-query attention, scanned and unrolled layers, with packed documents; a run
@@ -26,7 +26,7 @@ def test_the_schedules_run_every_layer_in_order_on_every_microbatch(stages: int,
     6 rows with a per-row shared input: the pipelined result is the sequential one for gpipe and
     circular, M below, at and above S, and so is what each layer sums over its rows, added up over
     the microbatches; the iteration count and bubble are the formula's."""
-    from runner.models.pipeline import Schedule, run
+    from runner.models.common.pipeline import Schedule, run
 
     layers = 12 // (stages * repeats) * stages * repeats
     key_a, key_b, key_x = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -54,8 +54,8 @@ def test_the_schedules_run_every_layer_in_order_on_every_microbatch(stages: int,
 EQUIVALENCE = """
 import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from runner.parallel.mesh import make_mesh
-from runner.models.llama import Llama, LlamaConfig, LlamaFamily
-from runner.models.gpt import GPT, GPTConfig, GPTFamily
+from runner.models.llama.model import Llama, LlamaConfig, LlamaFamily
+from runner.models.gpt.model import GPT, GPTConfig, GPTFamily
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
 tokens = jax.random.randint(jax.random.PRNGKey(3), (8, 32), 0, 64)
@@ -90,7 +90,7 @@ for name, (Model, Family, cfg) in MODELS.items():
         out[key] = [relative_error(got, want), "collective-permute" in text]
 
 # an MoE: the loss with its balancing terms, the reports and the router bias's update as well
-from runner.models.common import LOSSES, REPORTS, MODEL_STATE
+from runner.models.common.layers import LOSSES, REPORTS, MODEL_STATE
 from runner.train.steps import reports
 moe = dataclasses.replace(llama, n_layers=4, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared=1, moe_bias_rate=0.01)
 
@@ -267,7 +267,7 @@ def assert_exports_as_one_device(tmp_path: Path, run_dir: Path) -> None:
     from flax import serialization
 
     from runner.models import model_config
-    from runner.models.llama import Llama
+    from runner.models.llama.model import Llama
     from tests.conftest import fork_server, runner_env
     from tests.forked import run
     from tests.test_spec import spec_for

@@ -153,7 +153,7 @@ def test_one_integer_scales_the_model() -> None:
     assert (small.d_model, small.n_heads, small.d_ff) == (128, 2, 512)
     assert (big.d_model, big.n_heads, big.d_ff) == (256, 4, 1024)
     assert scaled_model(ModelSpec()) == ModelSpec()
-    from runner.models.gpt import GPTConfig, param_count
+    from runner.models.gpt.model import GPTConfig, param_count
 
     counts = [param_count(GPTConfig(vocab_size=320, context_length=128, d_model=m.d_model, n_layers=4,
                                     n_heads=m.n_heads, d_ff=m.d_ff)) for m in (small, big)]

@@ -86,7 +86,7 @@ def time_loader(store: Path, steps: int, processes: int, threads: int, prefetch:
 
 def train_step_needs(mfu: float) -> dict[str, float]:
     """Tokens/s a gpt_small train step consumes per host at ``mfu`` (computed, not measured)."""
-    from runner.models.gpt import GPTConfig, flops_per_token
+    from runner.models.gpt.model import GPTConfig, flops_per_token
     from runner.parallel.topology import CHIPS
 
     cfg = GPTConfig(vocab_size=50304, context_length=SEQ_LEN, d_model=768, n_layers=12, n_heads=12)

@@ -65,8 +65,8 @@ def memory() -> int:
     import jax.numpy as jnp
     from flax import linen as nn
 
-    from runner.models import pipeline
-    from runner.models.llama import Llama, LlamaConfig, LlamaFamily
+    from runner.models.common import pipeline
+    from runner.models.llama.model import Llama, LlamaConfig, LlamaFamily
     from runner.parallel.mesh import make_mesh
 
     cfg = LlamaConfig(vocab_size=256, context_length=512, d_model=1024, n_layers=8, n_heads=8, head_dim=128,

@@ -1,5 +1,5 @@
 """Ring attention with the splash kernel per block (`job.model.context_parallel=ring` with
-`job.model.attention=splash`): runner.models.context's ring, each block one kernel call.
+`job.model.attention=splash`): runner.models.attention.context's ring, each block one kernel call.
 
 Forward. The key/value blocks travel around the ring of shards as in the XLA ring (the next
 block's transfer issued before this block's compute); each block is one splash call that also
@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from runner.models import splash
+from runner.models.attention import splash
 
 AXIS = "context"
 

@@ -28,7 +28,7 @@ import optax
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models import quantization
+from runner.models.common import quantization
 from runner.parallel.mesh import mesh_shape
 from runner.parallel.topology import parse_topology
 

@@ -2,7 +2,7 @@
 Qwen2, Qwen3, and the mixtures of experts Mixtral and Qwen3-MoE), how each reads every config.json
 field into job.model settings or refuses it, and the tensor layout both ways.
 
-Everything here works on the family's config (runner.models.llama.LlamaConfig) by its fields, so
+Everything here works on the family's config (runner.models.llama.model.LlamaConfig) by its fields, so
 this module does not import the model.
 """
 
@@ -14,19 +14,10 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 
 from runner.errors import ConfigError
-from runner.models.hf import (
-    HFTensor,
-    Refused,
-    Rule,
-    activation_rule,
-    inert,
-    into,
-    one,
-    only,
-    read_hf_config,
-    same,
-    zeros_of,
-)
+from runner.models.common.rope import rope_frequencies
+from runner.models.hf.adapter import HFAdapter
+from runner.models.hf.mapping import (HFTensor, Refused, Rule, activation_rule, inert, into, one, only, read_hf_config,
+    same, zeros_of)
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -132,8 +123,9 @@ def _rope(value: Any, config: Mapping[str, Any], model: Any) -> Mapping[str, Any
 
 
 def _sliding_window(value: Any, config: Mapping[str, Any], model: Any) -> Mapping[str, Any]:
-    """A sliding window is accepted where it cannot cut: no layer slides, or the window is at
-    least job.model.context_length (no query then reaches a key it would hide)."""
+    """A sliding window in every layer (Mistral v0.1, Mixtral, Qwen2/3 with max_window_layers 0) is
+    job.model.window.size; a window in some layers only is accepted where it cannot cut (at least
+    job.model.context_length: no query then reaches a key it would hide), else refused."""
     model_type = config["model_type"]
     window = value if model_type in ("mistral", "mixtral") or config.get("use_sliding_window") else None
     if window is None:
@@ -142,13 +134,20 @@ def _sliding_window(value: Any, config: Mapping[str, Any], model: Any) -> Mappin
     types = config.get("layer_types") or (  # Mistral's, Mixtral's and Qwen3-MoE's window is every layer's
         ["sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention" for i in range(layers)]
         if model_type in ("qwen2", "qwen3") else ["sliding_attention"] * layers)
-    if "sliding_attention" in types and int(window) < model.context_length:
-        raise Refused(f"attention over the last {window} positions only (in {types.count('sliding_attention')} of "
-                      f"{layers} layers) differs from full attention on sequences longer than the window, and "
-                      f"job.model.context_length={model.context_length} allows them.",
-                      "full causal attention (a window at least job.model.context_length long never cuts)",
+    if "sliding_attention" not in types:
+        return {}
+    if set(types) == {"sliding_attention"}:
+        return {"window.size": int(window)}
+    if int(window) < model.context_length:
+        raise Refused(f"attention over the last {window} positions in {types.count('sliding_attention')} of "
+                      f"{layers} layers and over every earlier one in the rest differs from one window in every "
+                      f"layer on sequences longer than the window, and job.model.context_length="
+                      f"{model.context_length} allows them.",
+                      "a sliding window in every layer or in none (and a window in some layers at least "
+                      "job.model.context_length long, which never cuts); interleaved local and global layers are "
+                      "the gemma family's",
                       f"set job.model.context_length={window} (train.seq_len no longer), where the window never "
-                      "cuts; or import a model without a sliding window.")
+                      "cuts; or import a model whose window is in every layer.")
     return {}
 
 
@@ -156,7 +155,7 @@ def _layer_types(value: Any, config: Mapping[str, Any], model: Any) -> Mapping[s
     unknown = sorted(set(value or ()) - {"full_attention", "sliding_attention"})
     if unknown:
         raise Refused(f"layer type(s) {unknown} are not attention runner implements.",
-                      "full_attention and sliding_attention layers (the latter where the window never cuts)",
+                      "full_attention and sliding_attention layers (a window in every layer, or one that never cuts)",
                       "import a model whose layers are full or sliding attention.")
     return {}  # read with sliding_window
 
@@ -313,6 +312,9 @@ def _misfit(cfg: Any, model_type: str) -> _Misfit | None:
         return _Misfit("job.model.moe.n_experts", cfg.moe_experts, f"{MODEL_TYPES[model_type]} has "
                        f"{'' if moe else 'no '}mixture-of-experts layers", "export a model with experts as Mixtral "
                        "or Qwen3-MoE, and a dense one as Llama, Mistral, Qwen2 or Qwen3.")
+    if cfg.window and model_type == "llama":
+        return _Misfit("job.model.window.size", cfg.window, "LlamaForCausalLM has no sliding window",
+                       "export as Mistral (the default for a window without QK-norm or biases), or drop the window.")
     if cfg.qk_norm != (model_type in ("qwen3", "qwen3_moe")):
         return _Misfit("job.model.qk_norm", cfg.qk_norm, "QK-norm (job.model.qk_norm) is Qwen3's and Qwen3-MoE's "
                        "alone", "drop QK-norm, or export as Qwen3 (Qwen3-MoE with experts).")
@@ -378,7 +380,7 @@ def architecture(cfg: Any, exporting: bool = False) -> tuple[str, str]:
     elif cfg.qkv_bias and not (cfg.out_bias or cfg.mlp_bias):
         model_type = "qwen2"
     else:
-        model_type = "llama"
+        model_type = "mistral" if cfg.window else "llama"
     misfit = _misfit(cfg, model_type)
     if misfit and model_type == "qwen3":
         raise ConfigError("job.model.mlp_bias", cfg.mlp_bias, "no transformers architecture has both QK-norm "
@@ -422,10 +424,12 @@ def hf_config(cfg: Any) -> dict[str, Any]:
         config["attention_bias"] = bool(cfg.qkv_bias or cfg.out_bias)
     if model_type == "llama":
         config["mlp_bias"] = cfg.mlp_bias
+    window = cfg.window or None
     if model_type in ("mistral", "mixtral"):
-        config["sliding_window"] = None
+        config["sliding_window"] = window
     if model_type in ("qwen2", "qwen3"):
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        config.update(use_sliding_window=bool(window), sliding_window=window,
+                      max_window_layers=0 if window else cfg.n_layers)
     if model_type in MOE_TYPES:
         config.update(num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_loss,
                       output_router_logits=False)
@@ -434,7 +438,8 @@ def hf_config(cfg: Any) -> dict[str, Any]:
     if model_type == "qwen3_moe":
         config.update(num_experts=cfg.moe_experts, moe_intermediate_size=cfg.moe_d_ff,
                       norm_topk_prob=cfg.moe_normalize, decoder_sparse_step=1,
-                      mlp_only_layers=list(range(cfg.moe_first_dense)), use_sliding_window=False, sliding_window=None)
+                      mlp_only_layers=list(range(cfg.moe_first_dense)), use_sliding_window=bool(window),
+                      sliding_window=window)
     return config
 
 
@@ -518,3 +523,27 @@ def layout(cfg: Any) -> list[HFTensor]:
     if cfg.moe_experts:
         out += _expert_tensors(cfg, model_type, range(dense, cfg.n_layers), split)
     return out
+
+
+def buffers(cfg: Any) -> dict[str, Any]:
+    """Tensors some checkpoints carry that are computed, not learned: the rotary inverse
+    frequencies (accepted when they are the ones this model computes) and, with tied embeddings,
+    a copy of the embedding as lm_head (accepted when equal)."""
+    inv = rope_frequencies(cfg)
+    out: dict[str, Any] = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": (
+        lambda x, read: x.shape == inv.shape and bool(np.allclose(x, inv, rtol=1e-5, atol=0)))
+        for i in range(cfg.n_layers)}
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = lambda x, read: bool(np.array_equal(x, read("model.embed_tokens.weight")))
+    return out
+
+
+class LlamaHF(HFAdapter):
+    """Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE both ways."""
+
+    model_types = tuple(MODEL_TYPES)
+    settings = staticmethod(settings)
+    architecture = staticmethod(architecture)
+    config = staticmethod(hf_config)
+    layout = staticmethod(layout)
+    buffers = staticmethod(buffers)

@@ -19,18 +19,21 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models import gpt_hf, tiling
-from runner.models.attention import attend
-from runner.models.common import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, REMAT_POLICIES, Decoder, Dtypes, KVCache,
-    activation, attend_cached, dense, embedding, layer_input, merge_heads, ones_init, project_heads, residual_std,
-    stack_blocks, state_over_context, zeros_init)
-from runner.models.context_order import to_context_order
+from runner.models.attention.context_order import to_context_order
+from runner.models.attention.kernels import attend
+from runner.models.common import tiling
+from runner.models.common.decoder import REMAT_POLICIES, Decoder, KVCache, attend_cached, layer_input, stack_blocks
+from runner.models.common.layers import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, activation, dense, embedding,
+                                         merge_heads, ones_init, project_heads, residual_std, state_over_context,
+                                         zeros_init)
+from runner.models.common.quantization import quantized
+from runner.models.common.runtime import Runtime
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
-from runner.models.quantization import quantized
+from runner.models.gpt import hf as gpt_hf
 
 
 @dataclass(frozen=True)
-class GPTConfig(Dtypes):
+class GPTConfig(Runtime):
     """Model hyperparameters; ``d_ff == 0`` means the GPT-2 default ``4 * d_model``."""
 
     vocab_size: int
@@ -41,24 +44,9 @@ class GPTConfig(Dtypes):
     d_ff: int = 0
     tie_embeddings: bool = True
     dropout: float = 0.0
-    compute_dtype: str = "float32"
-    param_dtype: str = "float32"
-    attention: str = "auto"  # runner.models.attention
-    context_parallel: str = "auto"  # runner.models.context
-    ulysses_ways: int = 0  # usp: the shards of each all-to-all group (runner.models.model_config resolves 0)
-    remat: str = "auto"  # runner.models.common.remat_of
-    loss_tiles: int = 1  # the output head and loss over tiles of the tokens (runner.models.tiling; 0: whole)
-    mlp_tiles: int = 1  # the dense feed-forward over tiles of the tokens (runner.models.tiling)
     use_bias: bool = True
-    scan_layers: bool = True
-    pipeline_stages: int = 1  # mesh.stage: the layers in this many stages (runner.models.pipeline)
-    pipeline_microbatches: int = 1  # pipeline.microbatches, resolved (runner.models.model_config)
-    pipeline_repeats: int = 1  # pipeline.repeats
-    activation: str = "gelu_new"  # transformers' name (runner.models.common.ACTIVATIONS)
+    activation: str = "gelu_new"  # transformers' name (runner.models.common.layers.ACTIVATIONS)
     norm_eps: float = 1e-5
-    quantization: str = "none"  # job.model.quantization (runner.models.quantization)
-    quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
-    quantization_scaling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.d_ff == 0:
@@ -224,7 +212,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return float(6 * matmul_params + 12 * cfg.n_layers * d * seq_len)
 
 
-# What each job.model.quantization_scope quantizes (runner.models.quantization): module path
+# What each job.model.quantization_scope quantizes (runner.models.common.quantization): module path
 # regexes and ops. The attention scores (an einsum in attn itself) are never among them.
 QUANTIZED = {
     "attention": ((r"(.*/)?attn/(query|key|value|out)", ("einsum",)),),
@@ -249,6 +237,9 @@ class GPTFamily:
                               "use job.model.family=llama for a mixture of experts, or drop it.")
         refuse_foreign_keys(model, "gpt", ("n_kv_heads", "qk_norm", "qkv_bias", "out_bias", "mlp_bias", "rope"),
                             "drop it, or use job.model.family=llama; the gpt family's biases are job.model.use_bias.")
+        refuse_foreign_keys(model, "gpt", ("window", "softcap", "query_pre_attn_scalar", "mla", "mtp"),
+                            "drop it, or use the family that reads it (llama, gemma: window; gemma: softcap, "
+                            "query_pre_attn_scalar; deepseek: mla, mtp).")
         if model.hf.architecture not in ("", gpt_hf.ARCHITECTURE):
             raise ConfigError("job.model.hf.architecture", model.hf.architecture, "the gpt family exports as "
                               f"{gpt_hf.ARCHITECTURE} only.", f"use {gpt_hf.ARCHITECTURE}, or leave it empty.")
@@ -265,18 +256,7 @@ class GPTFamily:
     param_count = staticmethod(param_count)
     flops_per_token = staticmethod(flops_per_token)
 
-    # ------------------------------------------------------------------ Hugging Face (runner.models.gpt_hf)
-
-    hf_model_types = ("gpt2",)  # config.json model_type values it imports
-    hf_base_prefix = gpt_hf.BASE_PREFIX
-    hf_settings = staticmethod(gpt_hf.settings)
-    hf_config = staticmethod(gpt_hf.hf_config)
-    hf_layout = staticmethod(gpt_hf.layout)
-    hf_buffers = staticmethod(gpt_hf.buffers)
-
-    @staticmethod
-    def hf_architecture(cfg: GPTConfig) -> tuple[str, str]:
-        return gpt_hf.ARCHITECTURE, "gpt2"
+    hf = gpt_hf.GPTHF  # Hugging Face both ways (runner.models.gpt.hf)
 
 
 MODEL_FAMILIES.register("gpt")(GPTFamily)

@@ -1,7 +1,7 @@
 """The TPU splash-attention kernel's common parts: its tile, its block sizes, its masks, and how
 one device's rows are fed to an MQA kernel (one key/value head, its group of query heads).
 
-Used by runner.models.attention (whole rows on each device) and runner.models.context (rows split
+Used by runner.models.attention.kernels (whole rows on each device) and runner.models.attention.context (rows split
 over the context axis: each shard's queries against the gathered keys and values, with a mask
 that knows the zig-zag order). On a CPU the same kernel runs in Pallas interpret mode: exact but
 slow, for tests.
@@ -31,15 +31,16 @@ def block_sizes(block: int) -> Any:
                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
-def causal_kernel(heads: int, seq_len: int, interpret: bool) -> Any:
-    """A causal splash MQA kernel for `heads` query heads sharing one key/value head. Built while
-    tracing (its mask tables become constants of the traced function; a cached kernel would leak
-    one trace's arrays into the next). The mask is the placed causal mask with every query in its
-    own place: splash's own CausalMask is evaluated entry by entry when its tables are built
-    (quadratic: 7 s at 32,768 tokens, hours at a million)."""
+def causal_kernel(heads: int, seq_len: int, interpret: bool, window: int = 0) -> Any:
+    """A causal splash MQA kernel for `heads` query heads sharing one key/value head, each query
+    seeing its last `window` keys (0: all earlier keys). Built while tracing (its mask tables
+    become constants of the traced function; a cached kernel would leak one trace's arrays into
+    the next). The mask is the placed causal mask with every query in its own place: splash's own
+    CausalMask is evaluated entry by entry when its tables are built (quadratic: 7 s at 32,768
+    tokens, hours at a million)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    mask = sa.MultiHeadMask([_placed_causal_mask()(np.arange(seq_len)) for _ in range(heads)])
+    mask = sa.MultiHeadMask([_placed_causal_mask()(np.arange(seq_len), window) for _ in range(heads)])
     return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(seq_len)), head_shards=1, q_seq_shards=1,
                               interpret=interpret)
 
@@ -69,12 +70,16 @@ def _placed_causal_mask() -> type:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     class PlacedCausalMask(sa.splash_attention_mask._ComputableMask):
-        """Causal by place: query row i is the token at q_positions[i] of the row, keys in order."""
+        """Causal by place: query row i is the token at q_positions[i] of the row, keys in order;
+        with a `window`, only the last `window` keys up to the query's place."""
 
-        def __init__(self, q_positions: np.ndarray) -> None:
+        def __init__(self, q_positions: np.ndarray, window: int = 0) -> None:
             seq_len = len(q_positions)
-            super().__init__(shape=(seq_len, seq_len), mask_function=lambda q_ids, kv_ids: q_ids >= kv_ids)
+            reach = window or seq_len + 1  # no window: every earlier key is within reach
+            super().__init__(shape=(seq_len, seq_len),
+                             mask_function=lambda q_ids, kv_ids: (q_ids >= kv_ids) & (q_ids - kv_ids < reach))
             self.q_sequence = np.asarray(q_positions, dtype=np.int32)
+            self.window, self._reach = window, reach
             self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
 
         def __getitem__(self, idx: Any) -> np.ndarray:
@@ -91,30 +96,31 @@ def _placed_causal_mask() -> type:
             if bounds is None:
                 rows = self.q_sequence[q0:q1]
                 bounds = self._bounds[(q0, q1)] = (int(rows.min()), int(rows.max())) if rows.size else (0, -1)
-            if kv1 - 1 <= bounds[0]:  # every key at or before every query
+            if kv1 - 1 <= bounds[0] and bounds[1] - kv0 < self._reach:  # every key at or before, within reach
                 return _uniform_block(True, (q1 - q0, kv1 - kv0))
-            if kv0 > bounds[1]:  # every key after every query
+            if kv0 > bounds[1] or bounds[0] - (kv1 - 1) >= self._reach:  # every key after, or out of reach
                 return _uniform_block(False, (q1 - q0, kv1 - kv0))
             return super().__getitem__(idx)
 
         def __eq__(self, other: object) -> bool:
-            return isinstance(other, PlacedCausalMask) and np.array_equal(self.q_sequence, other.q_sequence)
+            return (isinstance(other, PlacedCausalMask) and self.window == other.window
+                    and np.array_equal(self.q_sequence, other.q_sequence))
 
         def __hash__(self) -> int:
-            return hash(self.q_sequence.tobytes())
+            return hash((self.q_sequence.tobytes(), self.window))
 
     return PlacedCausalMask
 
 
-def zigzag_causal_kernel(heads: int, q_positions: np.ndarray, shards: int, interpret: bool) -> Any:
+def zigzag_causal_kernel(heads: int, q_positions: np.ndarray, shards: int, interpret: bool, window: int = 0) -> Any:
     """A splash MQA kernel whose query rows are the row's tokens in the order `q_positions` gives
     (their places in the original row) and whose keys are the row in its original order: a query
     sees the keys at or before its place. Its mask tables are split over `shards` query shards
     (`manual_sharding_spec`), so each shard of a shard_map gets the rows it holds; the mask is
-    computed inside the kernel from the positions, never stored."""
+    computed inside the kernel from the positions, never stored. `window`: as causal_kernel's."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    mask = sa.MultiHeadMask([_placed_causal_mask()(q_positions) for _ in range(heads)])
+    mask = sa.MultiHeadMask([_placed_causal_mask()(q_positions, window) for _ in range(heads)])
     return sa.make_splash_mqa(mask, block_sizes=block_sizes(splash_block(len(q_positions) // shards)), head_shards=1,
                               q_seq_shards=shards, interpret=interpret)
 

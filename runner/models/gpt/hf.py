@@ -1,6 +1,6 @@
 """The gpt family in Hugging Face terms: GPT2LMHeadModel, every config.json field read into
 job.model settings or refused, and the tensor layout both ways. Works on the family's config
-(runner.models.gpt.GPTConfig) by its fields, so this module does not import the model."""
+(runner.models.gpt.model.GPTConfig) by its fields, so this module does not import the model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from runner.models.hf import HFTensor, Refused, activation_rule, inert, into, one, only, read_hf_config, same, zeros_of
+from runner.models.hf.adapter import HFAdapter
+from runner.models.hf.mapping import (HFTensor, Refused, activation_rule, inert, into, one, only, read_hf_config, same,
+    zeros_of)
 
 ARCHITECTURE = "GPT2LMHeadModel"
 BASE_PREFIX = "transformer."  # the hub's own gpt2 files name tensors without it (saved from GPT2Model)
@@ -127,3 +129,18 @@ def buffers(cfg: Any) -> dict[str, Any]:
     if cfg.tie_embeddings:
         out["lm_head.weight"] = lambda x, read: bool(np.array_equal(x, read("transformer.wte.weight")))
     return out
+
+
+class GPTHF(HFAdapter):
+    """GPT-2 (GPT2LMHeadModel) both ways."""
+
+    model_types = ("gpt2",)
+    base_prefix = BASE_PREFIX
+    settings = staticmethod(settings)
+    config = staticmethod(hf_config)
+    layout = staticmethod(layout)
+    buffers = staticmethod(buffers)
+
+    @staticmethod
+    def architecture(cfg: Any, exporting: bool = False) -> tuple[str, str]:
+        return ARCHITECTURE, "gpt2"

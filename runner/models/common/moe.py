@@ -16,7 +16,8 @@ Dispatches:
 Balancing: the Switch/Mixtral load-balancing loss and the router z-loss (both in the training
 loss), and DeepSeek-V3's per-expert selection bias (added to the scores for choosing experts only,
 never to the weights; model state, not a parameter: TrainState.model_state, moved toward even
-load after every step by `bias_update_rate`).
+load after every step by `bias_update_rate`). DeepSeek-V3's group-limited routing (`route`'s
+n_group and topk_group) and routed scaling are the deepseek family's.
 
 On a device mesh the experts run in shard_map (`sharded_experts`): the "expert" axis holds an
 equal share of the experts each, and tokens travel to them and back (`exchanged_ragged_experts`:
@@ -25,6 +26,7 @@ a ragged all-to-all; capacity: GShard's all-to-all).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from runner.errors import ConfigError
-from runner.models.common import LAYER_SUMS, LOSSES, MODEL_STATE, REPORTS, normal_init, residual_std
+from runner.models.common.layers import (LAYER_SUMS, LOSSES, MODEL_STATE, REPORTS, normal_init, residual_std,
+                                         zeros_init)
 
 DISPATCHES = ("ragged", "gmm", "capacity", "dense")
 # The grouped matmuls of a ragged dispatch: ragged_dot (jax.lax's), gmm (megablox's TPU kernel;
@@ -73,18 +76,38 @@ class Routing:
 
 
 def route(logits: jax.Array, top_k: int, score: str = "softmax", normalize: bool = True,
-          bias: jax.Array | None = None) -> Routing:
+          bias: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
+          scaling: float = 1.0) -> Routing:
     """Pick each token's experts. `score`: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3).
     `bias` (E,) shifts which experts are chosen, not their weights. `normalize`: the chosen
-    weights sum to one."""
+    weights sum to one. `n_group` > 1: DeepSeek-V3's group-limited routing, a token choosing only
+    among the `topk_group` groups of experts whose best two (biased) scores sum highest (`group_mask`).
+    `scaling`: the chosen weights times this (DeepSeek-V3's routed_scaling_factor), after normalising.
+    n_group 1 and scaling 1 compute exactly what they did before these existed."""
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     chooser = probs if bias is None else probs + bias
+    if n_group > 1 and topk_group < n_group:
+        chooser = jnp.where(group_mask(chooser, n_group, topk_group), chooser, -jnp.inf)
     _, experts = jax.lax.top_k(chooser, top_k)
     weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-9)
+    if scaling != 1.0:
+        weights = weights * scaling
     return Routing(experts=experts.astype(jnp.int32), weights=weights, probs=probs, logits=logits)
+
+
+def group_mask(chooser: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """(T, E) True for the experts in each token's `topk_group` best of `n_group` equal groups, a
+    group scored by the sum of its two best scores (its one score when it holds a single expert),
+    as DeepSeek-V3 and transformers' DeepseekV3TopkRouter score them."""
+    tokens, n_experts = chooser.shape
+    grouped = chooser.reshape(tokens, n_group, n_experts // n_group)
+    best, _ = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))
+    _, groups = jax.lax.top_k(jnp.sum(best, axis=-1), topk_group)  # (T, topk_group)
+    chosen = jnp.sum(jax.nn.one_hot(groups, n_group, dtype=jnp.int32), axis=1) > 0  # (T, n_group)
+    return jnp.repeat(chosen, n_experts // n_group, axis=1)
 
 
 def expert_load(routing: Routing, n_experts: int, mask: jax.Array | None = None) -> jax.Array:
@@ -360,7 +383,10 @@ class MoEMLP(nn.Module):
     """The MoE feed-forward of one layer, (B, T, d) -> (B, T, d): a float32 router (embed, expert),
     SwiGLU experts stacked on a leading "expert" axis, optional shared experts every token uses."""
 
-    cfg: Any  # the family's config: d_model, n_layers, dtype, params_dtype, activation and the moe_* fields
+    # the family's config: d_model, n_layers, dtype, params_dtype, activation and the moe_* fields; the
+    # optional moe_n_group, moe_topk_group, moe_routed_scaling (`route`) and moe_score_bias (a fixed
+    # selection bias parameter, DeepSeek-V3's e_score_correction_bias as imported) default to off
+    cfg: Any
     act: Activation = jax.nn.silu
 
     @nn.compact
@@ -374,8 +400,13 @@ class MoEMLP(nn.Module):
                             cfg.params_dtype)
         tokens = x.reshape(-1, d)
         bias = self.variable(MODEL_STATE, "router_bias", jnp.zeros, (n,), jnp.float32) if cfg.moe_bias_rate else None
+        chooser = None if bias is None else bias.value
+        if getattr(cfg, "moe_score_bias", False):  # a fixed selection bias (imported), the moving one added
+            fixed = jax.lax.stop_gradient(self.param("score_bias", zeros_init(("expert",)), (n,), jnp.float32))
+            chooser = fixed if chooser is None else fixed + chooser
         routing = route(tokens.astype(jnp.float32) @ router, cfg.moe_top_k, cfg.moe_score, cfg.moe_normalize,
-                        bias=None if bias is None else bias.value)
+                        bias=chooser, n_group=getattr(cfg, "moe_n_group", 1),
+                        topk_group=getattr(cfg, "moe_topk_group", 1), scaling=getattr(cfg, "moe_routed_scaling", 1.0))
         weights = [w.astype(cfg.dtype) for w in (w_gate, w_up, w_down)]
         dropped = jnp.zeros((), jnp.float32)
         mesh = jax.sharding.get_abstract_mesh()
@@ -414,3 +445,39 @@ class MoEMLP(nn.Module):
                             kernel_init=normal_init(residual_std(cfg.n_layers), ("mlp", "embed")), name="shared_down")
             y = y + down(self.act(gate(x)) * up(x))
         return y
+
+
+def for_platform(config: Any, platform: str) -> Any:
+    """A family config's moe_* settings `platform` (tpu, gpu, cpu; auto: not known yet) decides:
+    dispatch auto is gmm on TPU (megablox's grouped matmul) and ragged elsewhere; gmm is refused off
+    TPU; expert parallelism moves tokens by the ragged all-to-all where the platform has one. (The
+    llama family's LlamaFamily.for_platform is the same.)"""
+    dispatch = config.moe_dispatch
+    if dispatch == "auto":
+        dispatch = "gmm" if platform == "tpu" else "ragged"
+    if config.moe_experts and dispatch == "gmm" and platform not in ("tpu", "auto"):
+        raise ConfigError("job.model.moe.dispatch", "gmm", f"megablox's grouped matmul is a TPU kernel, and "
+                          f"this run's platform is {platform}.", "use auto (gmm on TPU, ragged elsewhere) or ragged.")
+    kernel = "gmm" if dispatch == "gmm" else "blocked" if platform == "cpu" else "ragged_dot"
+    return dataclasses.replace(config, moe_dispatch=dispatch, moe_kernel=kernel,
+                               moe_native_exchange=platform in ("tpu", "gpu"))
+
+
+def describe(config: Any, mesh_shape: Any) -> str:
+    """How a family config's experts run on a mesh (mode=compile's report); empty without experts.
+    (The llama family's LlamaFamily.describe is the same.)"""
+    if not config.moe_experts:
+        return ""
+    ways = int(dict(mesh_shape).get("expert", 1))
+    kernel = {"ragged_dot": "jax.lax.ragged_dot", "gmm": "megablox gmm", "blocked": "blocked matmuls"}.get(
+        config.moe_kernel, config.moe_kernel)
+    how = {"capacity": f"capacity dispatch (factor {config.moe_capacity_factor:g})",
+           "dense": "dense dispatch (every expert on every token)"}.get(
+        config.moe_dispatch, f"{config.moe_dispatch} dispatch ({kernel})")
+    moved = "" if ways == 1 or config.moe_dispatch == "dense" else ", tokens to them and back by " + (
+        "all-to-all" if config.moe_dispatch == "capacity" else
+        "ragged all-to-all" if config.moe_native_exchange else "padded all-to-all")
+    groups = getattr(config, "moe_n_group", 1)
+    limited = f", from {config.moe_topk_group} of {groups} groups" if groups > 1 else ""
+    return (f"experts: {config.moe_experts} per layer, {config.moe_top_k} per token{limited}, "
+            f"{config.moe_experts // ways} on each of mesh.expert={ways} shards{moved}; {how}")

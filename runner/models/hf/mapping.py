@@ -77,7 +77,7 @@ def zeros_of(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[str, ...], C
 def param_path(source: str, layer: int | None, scanned: bool, split: int = 0) -> tuple[tuple[str, ...], int | None]:
     """(runner parameter path, index into its stacked layer axis or None). Unrolled, layer i is
     `block_i`; scanned, layers [0, split) are stacked as `dense_blocks` and the rest as `blocks`
-    (runner.models.llama.Llama.layers), each from index 0."""
+    (runner.models.llama.model.Llama.layers), each from index 0."""
     parts = tuple(source.split("/"))
     if layer is None:
         return parts, None

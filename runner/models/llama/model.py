@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,19 +24,25 @@ import numpy as np
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models import llama_hf, tiling
-from runner.models.attention import attend
-from runner.models.common import (LOGICAL_AXIS_RULES, Decoder, Dtypes, KVCache, activation, attend_cached, dense,
-    embedding, layer_input, merge_heads, ones_init, project_heads, residual_std, stack_blocks, state_over_context)
-from runner.models.context_order import to_context_order
+from runner.models.attention.context_order import to_context_order
+from runner.models.attention.kernels import attend
+from runner.models.common import tiling
+from runner.models.common.decoder import Decoder, KVCache, attend_cached, layer_input, stack_blocks
+from runner.models.common.layers import (LOGICAL_AXIS_RULES, activation, embedding, merge_heads, project_heads,
+                                         state_over_context)
+from runner.models.common.mlp import GatedMLP
+from runner.models.common.moe import MoEMLP
+from runner.models.common.moe import settle as settle_routing
+from runner.models.common.norms import RMSNorm
+from runner.models.common.quantization import quantized
+from runner.models.common.rope import apply_rope, rope_attention_scale, rope_frequencies
+from runner.models.common.runtime import Runtime
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
-from runner.models.moe import MoEMLP
-from runner.models.moe import settle as settle_routing
-from runner.models.quantization import quantized
+from runner.models.llama import hf as llama_hf
 
 
 @dataclass(frozen=True)
-class LlamaConfig(Dtypes):
+class LlamaConfig(Runtime):
     vocab_size: int
     context_length: int
     d_model: int
@@ -61,22 +66,11 @@ class LlamaConfig(Dtypes):
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
-    activation: str = "silu"  # the gate's, SwiGLU by default (runner.models.common.ACTIVATIONS)
+    activation: str = "silu"  # the gate's, SwiGLU by default (runner.models.common.layers.ACTIVATIONS)
+    window: int = 0  # job.model.window.size: every layer's sliding window (Mistral v0.1, Mixtral); 0: none
     hf_architecture: str = ""  # the transformers class to export as; empty: chosen from the settings
     tie_embeddings: bool = False
-    compute_dtype: str = "float32"
-    param_dtype: str = "float32"
-    attention: str = "auto"  # runner.models.attention
-    context_parallel: str = "auto"  # runner.models.context
-    ulysses_ways: int = 0  # usp: the shards of each all-to-all group (runner.models.model_config resolves 0)
-    remat: str = "auto"  # runner.models.common.remat_of
-    loss_tiles: int = 1  # the output head and loss over tiles of the tokens (runner.models.tiling; 0: whole)
-    mlp_tiles: int = 1  # the dense feed-forward over tiles of the tokens (runner.models.tiling)
-    scan_layers: bool = True
-    pipeline_stages: int = 1  # mesh.stage: the layers in this many stages (runner.models.pipeline)
-    pipeline_microbatches: int = 1  # pipeline.microbatches, resolved (runner.models.model_config)
-    pipeline_repeats: int = 1  # pipeline.repeats
-    moe_experts: int = 0  # job.model.moe (runner.models.moe); 0: a dense MLP in every layer
+    moe_experts: int = 0  # job.model.moe (runner.models.common.moe); 0: a dense MLP in every layer
     moe_top_k: int = 2
     moe_d_ff: int = 0
     moe_shared: int = 0
@@ -88,11 +82,8 @@ class LlamaConfig(Dtypes):
     moe_z_loss: float = 0.001
     moe_first_dense: int = 0  # leading layers that keep a dense MLP
     moe_bias_rate: float = 0.0  # the router's selection bias moves by this per step (0: no bias)
-    moe_kernel: str = "ragged_dot"  # the grouped matmul (runner.models.moe.KERNELS): gmm for dispatch gmm
+    moe_kernel: str = "ragged_dot"  # the grouped matmul (runner.models.common.moe.KERNELS): gmm for dispatch gmm
     moe_native_exchange: bool = False  # expert parallelism by jax.lax.ragged_all_to_all (TPU, GPU; for_platform)
-    quantization: str = "none"  # job.model.quantization (runner.models.quantization)
-    quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
-    quantization_scaling: str = "auto"
 
     @property
     def dense_layers(self) -> int:
@@ -107,86 +98,12 @@ class LlamaConfig(Dtypes):
 
 
 def axis_rules(cfg: LlamaConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
-    """The shared rules (runner.models.common.LOGICAL_AXIS_RULES, GPT's) plus the key/value heads:
+    """The shared rules (runner.models.common.layers.LOGICAL_AXIS_RULES, GPT's) plus the key/value heads:
     split over the tensor axis when it divides them; with fewer key/value heads than tensor shards
     (n_kv_heads=1, say), they are replicated on every tensor shard (each holds all of K and V, as
     MaxText and Levanter do), costing memory, not correctness."""
     kv = "tensor" if tensor > 1 and cfg.n_kv_heads % tensor == 0 else None
     return (*LOGICAL_AXIS_RULES[:4], ("kv_heads", kv), *LOGICAL_AXIS_RULES[4:], ("expert", "expert"))
-
-
-def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, (head_dim / 2,), as transformers computes them:
-    linear (every frequency divided by `rope_factor`); Llama 3's (long wavelengths slowed by
-    `rope_factor`, short ones kept, the band between interpolated); YaRN's (interpolated below
-    `beta_slow` rotations over the original context, extrapolated above `beta_fast`, a linear ramp
-    between)."""
-    dim = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    if cfg.rope_scaling == "linear":
-        inv = inv / cfg.rope_factor
-    elif cfg.rope_scaling == "yarn":
-        def correction_dim(rotations: float) -> float:
-            turns = cfg.rope_original_context / (rotations * 2 * math.pi)
-            return dim * math.log(turns) / (2 * math.log(cfg.rope_theta))
-
-        low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
-        if cfg.rope_truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        high = high + 0.001 if low == high else high
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        extrapolation = 1 - ramp
-        inv = (inv / cfg.rope_factor) * (1 - extrapolation) + inv * extrapolation
-    elif cfg.rope_scaling == "llama3":
-        low_wavelen = cfg.rope_original_context / cfg.rope_low_freq_factor
-        high_wavelen = cfg.rope_original_context / cfg.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
-        smooth = (cfg.rope_original_context / wavelen - cfg.rope_low_freq_factor) / (
-            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
-        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def rope_attention_scale(cfg: LlamaConfig) -> float:
-    """The factor YaRN multiplies cos and sin by (so attention logits by its square); 1 otherwise."""
-    if cfg.rope_scaling != "yarn":
-        return 1.0
-    if cfg.rope_attention_factor:
-        return float(cfg.rope_attention_factor)
-    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
-    """Rotate (B, T, N, H) by positions (B, T), rotate-half layout (Hugging Face's); cos and sin
-    multiplied by `scale` (YaRN's attention factor)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, H/2)
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32."""
-
-    eps: float
-    dtype: Any
-    axis_name: str = "embed"
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("scale", ones_init((self.axis_name,)), (x.shape[-1],), self.param_dtype)
-        h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
-        return (weight * h).astype(self.dtype)
 
 
 class Attention(nn.Module):
@@ -209,25 +126,10 @@ class Attention(nn.Module):
         if cache is None:
             y = attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"),
                        context_parallel=cfg.context_parallel, ulysses_ways=cfg.ulysses_ways,
-                       initializing=self.is_initializing())
+                       initializing=self.is_initializing(), window=cfg.window)
         else:  # positions are index + t when decoding (Llama.hidden)
-            y, cache = attend_cached(q, k, v, cache, index)
+            y, cache = attend_cached(q, k, v, cache, index, cfg.window)
         return merge_heads(cfg, y, cfg.out_bias), cache
-
-
-class MLP(nn.Module):
-    """Gated: down(act(gate(x)) * up(x)), SwiGLU with act = silu."""
-
-    cfg: LlamaConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        act = activation(cfg.activation)
-        gate = dense(cfg, cfg.d_ff, ("embed", "mlp"), 0.02, cfg.mlp_bias, "gate")
-        up = dense(cfg, cfg.d_ff, ("embed", "mlp"), 0.02, cfg.mlp_bias, "up")
-        h = nn.with_logical_constraint(act(gate(x)) * up(x), ("batch", "length", "mlp"))
-        return dense(cfg, cfg.d_model, ("mlp", "embed"), residual_std(cfg.n_layers), cfg.mlp_bias, "down")(h)
 
 
 class Block(nn.Module):
@@ -249,13 +151,13 @@ class Block(nn.Module):
         if self.sparse:
             x = x + MoEMLP(cfg, activation(cfg.activation), name="moe")(h)
         else:  # tiled when training (a cache: decoding a token or a prompt)
-            x = x + tiling.feed_forward(MLP(cfg, name="mlp"), h, cfg.mlp_tiles if cache is None else 1)
+            x = x + tiling.feed_forward(GatedMLP(cfg, name="mlp"), h, cfg.mlp_tiles if cache is None else 1)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
 
     @staticmethod
     def settle(cfg: LlamaConfig, sums: Any, state: Any) -> tuple[Any, Any, Any]:
         """A pipeline's (LOSSES, REPORTS, MODEL_STATE) of the layers, stacked, from their routing
-        sums over the batch (runner.models.common.pipelined_blocks): what their calls make."""
+        sums over the batch (runner.models.common.decoder.pipelined_blocks): what their calls make."""
         bias = state.get("moe", {}).get("router_bias")
         loss, reports, moved = settle_routing(cfg, sums["moe"]["routing"][0], bias)
         return ({"moe": {"moe_balancing": (loss,)}}, {"moe": {f"moe/{k}": (v,) for k, v in reports.items()}},
@@ -264,7 +166,7 @@ class Block(nn.Module):
 
 class Llama(Decoder):
     """The Llama-family language model, rotary positions (the call, packing and decoding: see
-    runner.models.common.Decoder)."""
+    runner.models.common.decoder.Decoder)."""
 
     cfg: LlamaConfig
 
@@ -343,16 +245,18 @@ def active_param_count(cfg: LlamaConfig) -> int:
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x the matmul weights (attention projections, SwiGLU's three
     matrices, the LM head) plus attention's QK^T and AV over the full (not causally halved) score
-    matrix, 12 * n_layers * n_heads * head_dim * seq_len, as GPT's count."""
+    matrix, 12 * n_layers * n_heads * head_dim * seq_len, as GPT's count; with a sliding window,
+    over the window's keys (min(window, seq_len)) instead of the row's."""
     d, h = cfg.d_model, cfg.head_dim
     sparse = cfg.n_layers - cfg.dense_layers  # what a token uses there: the router, its top_k experts, the shared
     mlp = cfg.dense_layers * 3 * d * cfg.d_ff + sparse * (d * cfg.moe_experts + 3 * d * cfg.moe_d_ff * (
         cfg.moe_top_k + cfg.moe_shared))
     matmul = cfg.n_layers * (2 * d * cfg.n_heads * h + 2 * d * cfg.n_kv_heads * h) + mlp + d * cfg.vocab_size
-    return float(6 * matmul + 12 * cfg.n_layers * cfg.n_heads * h * seq_len)
+    keys = min(cfg.window, seq_len) if cfg.window else seq_len  # the keys a query's scores cover
+    return float(6 * matmul + 12 * cfg.n_layers * cfg.n_heads * h * keys)
 
 
-# What each job.model.quantization_scope quantizes (runner.models.quantization): module path
+# What each job.model.quantization_scope quantizes (runner.models.common.quantization): module path
 # regexes and ops. The attention scores (an einsum in attn itself) and the router (a float32
 # dot_general in moe) are never among them.
 QUANTIZED = {
@@ -367,12 +271,30 @@ class LlamaFamily:
     """Llama 2/3, Mistral-style and Qwen2/Qwen3-style decoders."""
 
     name = "llama"
-    hf_model_types = tuple(llama_hf.MODEL_TYPES)  # config.json model_type values it imports
 
     @staticmethod
     def config(model: Any) -> LlamaConfig:
         refuse_foreign_keys(model, "llama", ("use_bias", "dropout"), "drop it; the llama family has no dropout, and "
                             "its biases are job.model.qkv_bias, out_bias and mlp_bias.")
+        refuse_foreign_keys(model, "llama", ("softcap", "mla", "mtp", "query_pre_attn_scalar"),
+                            "drop it, or use the family that reads it (gemma: softcap, query_pre_attn_scalar; "
+                            "deepseek: mla, mtp).")
+        for key in ("global_every", "local_rope_theta"):
+            if getattr(model.window, key):
+                raise ConfigError(f"job.model.window.{key}", getattr(model.window, key), "the llama family slides "
+                                  "the window in every layer (Mistral v0.1, Mixtral), with one rotary base; "
+                                  "interleaved local and global layers are the gemma family's.",
+                                  f"drop job.model.window.{key}, or use job.model.family=gemma.")
+        for key in ("n_group", "topk_group", "routed_scaling"):
+            if getattr(model.moe, key) != 1:
+                raise ConfigError(f"job.model.moe.{key}", getattr(model.moe, key), "group-limited routing and the "
+                                  "routed scaling factor are DeepSeek-V3's, and the llama family routes over every "
+                                  "expert with unscaled weights.", f"drop job.model.moe.{key}, or use "
+                                  "job.model.family=deepseek.")
+        refuse_foreign_keys(model, "llama", ("moe.n_group", "moe.topk_group", "moe.routed_scaling",
+                                             "rope.mscale_all_dim"),
+                            "drop it, or use job.model.family=deepseek (DeepSeek-V3's group-limited routing, "
+                            "routed scaling and YaRN softmax scale are that family's).")
         r = model.rope
         if r.scaling not in ("none", "linear", "llama3", "yarn"):
             raise ConfigError("job.model.rope.scaling", r.scaling, "it is not a known rotary scaling.",
@@ -391,6 +313,7 @@ class LlamaFamily:
                          rope_beta_fast=r.beta_fast, rope_beta_slow=r.beta_slow,
                          rope_attention_factor=r.attention_factor, rope_truncate=r.truncate,
                          activation=model.activation or "silu", hf_architecture=model.hf.architecture,
+                         window=model.window.size,
                          **moe_settings(model))
 
     @staticmethod
@@ -438,25 +361,7 @@ class LlamaFamily:
     active_param_count = staticmethod(active_param_count)
     flops_per_token = staticmethod(flops_per_token)
 
-    # ------------------------------------------------------------------ Hugging Face (runner.models.llama_hf)
-
-    hf_settings = staticmethod(llama_hf.settings)
-    hf_architecture = staticmethod(llama_hf.architecture)
-    hf_config = staticmethod(llama_hf.hf_config)
-    hf_layout = staticmethod(llama_hf.layout)
-
-    @staticmethod
-    def hf_buffers(cfg: LlamaConfig) -> dict[str, Any]:
-        """Tensors some checkpoints carry that are computed, not learned: the rotary inverse
-        frequencies (accepted when they are the ones this model computes) and, with tied
-        embeddings, a copy of the embedding as lm_head (accepted when equal)."""
-        inv = rope_frequencies(cfg)
-        out: dict[str, Any] = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": (
-            lambda x, read: x.shape == inv.shape and bool(np.allclose(x, inv, rtol=1e-5, atol=0)))
-            for i in range(cfg.n_layers)}
-        if cfg.tie_embeddings:
-            out["lm_head.weight"] = lambda x, read: bool(np.array_equal(x, read("model.embed_tokens.weight")))
-        return out
+    hf = llama_hf.LlamaHF  # Hugging Face both ways (runner.models.llama.hf)
 
 
 MODEL_FAMILIES.register("llama")(LlamaFamily)

@@ -11,7 +11,10 @@
             cudnn on GPU with bfloat16 compute, xla otherwise. The default.
 
 Every implementation takes `segment_ids` (B, T) for document-masked packing: a query attends only
-to earlier keys of its own segment. None of them may ignore it (MaxText #4476: a fused kernel that
+to earlier keys of its own segment; and a sliding `window` (the keys a query sees, itself included,
+Hugging Face's `sliding_window`; 0: every earlier key): XLA and cuDNN by their local window,
+splash by a windowed mask whose blocks out of reach it skips, each context-parallel kind by its
+masks (runner.models.attention.context). None of them may ignore it (MaxText #4476: a fused kernel that
 dropped segment ids trained on the wrong loss without an error); tests compare each against xla
 with segments, outputs and gradients.
 """
@@ -25,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from runner.errors import ConfigError
-from runner.models import context, splash
-from runner.models.common import Q_AXES, fit_spec
+from runner.models.attention import context
+from runner.models.attention import splash
+from runner.models.common.layers import Q_AXES, fit_spec
 from runner.registry import Registry
 
 # (q (B, T, N, H), k and v (B, T, K, H), segment_ids (B, T) or None, logical axes) -> (B, T, N, H)
@@ -44,31 +48,37 @@ def segment_mask(segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
 
 @ATTENTION.register("xla")
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-                  kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
+                  kv_axes: tuple[str, ...] = Q_AXES, window: int = 0) -> jax.Array:
     """XLA's attention (jax.nn.dot_product_attention): runs on every platform, the score matrix in memory."""
     return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True,
-                                        implementation="xla")
+                                        local_window_size=local_window(window), implementation="xla")
+
+
+def local_window(window: int) -> Optional[tuple[int, int]]:
+    """jax.nn.dot_product_attention's (left, right) for a causal `window` (itself and window - 1 before)."""
+    return (window - 1, 0) if window else None
 
 
 @ATTENTION.register("cudnn")
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-                    kv_axes: tuple[str, ...] = Q_AXES) -> jax.Array:
+                    kv_axes: tuple[str, ...] = Q_AXES, window: int = 0) -> jax.Array:
     """cuDNN flash attention; segments become a boolean mask that cuDNN turns into an additive
-    bias (B, 1, T, T): correct, but it costs the score matrix's memory once per layer."""
+    bias (B, 1, T, T): correct, but it costs the score matrix's memory once per layer. A window is
+    cuDNN's sliding window (its `local_window_size`)."""
     return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True,
-                                        implementation="cudnn")
+                                        local_window_size=local_window(window), implementation="cudnn")
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
-                  interpret: bool) -> jax.Array:
+                  interpret: bool, window: int = 0) -> jax.Array:
     """Splash on one device's shard: q (B, T, N, H), k/v (B, T, K, H), N a multiple of K."""
-    kernel = splash.causal_kernel(q.shape[2] // k.shape[2], q.shape[1], interpret)
+    kernel = splash.causal_kernel(q.shape[2] // k.shape[2], q.shape[1], interpret, window)
     return splash.rows(kernel, q, k, v, segment_ids, segment_ids)
 
 
 @ATTENTION.register("splash")
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
-                     kv_axes: tuple[str, ...] = Q_AXES, interpret: bool = False) -> jax.Array:
+                     kv_axes: tuple[str, ...] = Q_AXES, interpret: bool = False, window: int = 0) -> jax.Array:
     """Splash attention under the current mesh: a Pallas kernel cannot be partitioned by XLA, so it
     runs per device inside shard_map, rows split as the batch axis is and heads as the tensor axis
     is. Key/value heads that are replicated while query heads are split (fewer kv heads than
@@ -76,10 +86,10 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opti
     blocks of 128: other lengths (a short initialisation batch, an evaluator's odd length) take
     the xla path, which computes the same function (train.seq_len itself is checked, `check`)."""
     if q.shape[1] % 128:
-        return xla_attention(q, k, v, segment_ids)
+        return xla_attention(q, k, v, segment_ids, window=window)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return _splash_local(q, k, v, segment_ids, interpret)
+        return _splash_local(q, k, v, segment_ids, interpret, window)
     P = jax.sharding.PartitionSpec
     q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
     if kv_spec[2] != q_spec[2]:
@@ -87,7 +97,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opti
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec
     seg_spec = P(q_spec[0], None)
-    local = functools.partial(_splash_local, interpret=interpret)
+    local = functools.partial(_splash_local, interpret=interpret, window=window)
     if segment_ids is None:
         return jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(q_spec, kv_spec, kv_spec),
                              out_specs=q_spec, check_vma=False)(q, k, v)
@@ -144,32 +154,33 @@ def check(name: str, platform: str, compute_dtype: str, seq_len: int) -> str:
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None,
            kv_axes: tuple[str, ...] = Q_AXES, context_parallel: str = "auto", ulysses_ways: int = 0,
-           initializing: bool = False) -> jax.Array:
+           initializing: bool = False, window: int = 0) -> jax.Array:
     """Causal attention by implementation `impl` (`auto` resolved for the running backend); rows
-    split over a context axis (runner.models.context, in its order) by `context_parallel` (usp:
+    split over a context axis (runner.models.attention.context, in its order) by `context_parallel` (usp:
     ulysses within groups of `ulysses_ways` shards). While the model is `initializing`, XLA's on
     whole rows: init's forward pass is traced and thrown away (no parameter depends on how attention
     runs), and a kernel's tables for whole rows are built in numpy while tracing (about 70 s for a
-    1,048,576-token row, 16 times that for 4,194,304)."""
+    1,048,576-token row, 16 times that for 4,194,304). `window`: the keys a query sees, itself
+    included (0: every earlier one)."""
     if initializing:
-        return xla_attention(q, k, v, segment_ids, kv_axes=kv_axes)
+        return xla_attention(q, k, v, segment_ids, kv_axes=kv_axes, window=window)
     if impl == "auto":  # a config that did not go through `check`: the default backend decides
         impl = resolve(impl, platform_of(jax.devices()[0]), "bfloat16" if q.dtype == jnp.bfloat16 else "float32",
                        q.shape[1])
     if context.active(q.shape[1]):
         return context.context_attention(context_parallel, q, k, v, segment_ids, kv_axes, impl=impl,
-                                         whole_rows=whole_rows(impl), ulysses_ways=ulysses_ways)
-    return ATTENTION.get(impl)(q, k, v, segment_ids, kv_axes=kv_axes)
+                                         whole_rows=whole_rows(impl, window), ulysses_ways=ulysses_ways, window=window)
+    return ATTENTION.get(impl)(q, k, v, segment_ids, kv_axes=kv_axes, window=window)
 
 
-def whole_rows(impl: str) -> context.WholeRows:
+def whole_rows(impl: str, window: int = 0) -> context.WholeRows:
     """`impl` on one device's whole rows (ulysses runs it inside shard_map): the splash kernel per
     device where its 128-token tiles fit the rows (else xla, the same function), cuDNN's or XLA's
     fused attention as they are."""
     def attend_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
         if impl in context.SPLASH and q.shape[1] % 128 == 0:
-            return _splash_local(q, k, v, segment_ids, interpret=impl == "splash_interpret")
-        return (cudnn_attention if impl == "cudnn" else xla_attention)(q, k, v, segment_ids)
+            return _splash_local(q, k, v, segment_ids, interpret=impl == "splash_interpret", window=window)
+        return (cudnn_attention if impl == "cudnn" else xla_attention)(q, k, v, segment_ids, window=window)
 
     return attend_rows
 

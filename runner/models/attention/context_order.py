@@ -1,4 +1,4 @@
-"""The zig-zag order of a row split over the mesh's "context" axis (runner.models.context): shard
+"""The zig-zag order of a row split over the mesh's "context" axis (runner.models.attention.context): shard
 i holds chunks i and 2C-1-i of 2C equal chunks, so every shard has the same causal work. The
 families put a row's integers (tokens, positions, segment ids, the loss's targets) into it, and
 each token's loss back out of it: reordering hidden states instead would gather whole rows of

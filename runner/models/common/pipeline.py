@@ -4,7 +4,7 @@ Linen pipeline's (read for it, written here for runner's stacked layers): SPMD, 
 every device, the stages vmapped with ``spmd_axis_name="stage"``.
 
 The stored layout of the parameters does not change: the scanned layers' leading "layers" axis
-(runner.models.common.stack_blocks) is split over "stage", consecutive layers on each stage, so a
+(runner.models.common.decoder.stack_blocks) is split over "stage", consecutive layers on each stage, so a
 checkpoint restores onto a mesh with or without stages and exports as any other.
 
 Schedules (`Schedule`), S stages, M microbatches:

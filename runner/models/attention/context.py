@@ -25,7 +25,7 @@ contiguous pieces: it is cut into 2C chunks, and shard i holds chunks i and 2C-1
 order), which gives every shard the same causal work. The family's decoder puts the row's tokens,
 positions and segment ids into this order before the embedding, and the loss its targets; each
 token's loss (or, for logits, the hidden states before the head) comes back in the row's order
-(runner.models.context_order). Reordering integers keeps every device from gathering whole rows
+(runner.models.attention.context_order). Reordering integers keeps every device from gathering whole rows
 of hidden states (4,194,304 tokens of Llama 3 8B: 64 GiB of float32 on each device). Attention
 masks by each token's place in the original row and its document (segment id): a document that
 spans two shards attends within itself only, whatever the order.
@@ -34,7 +34,7 @@ Kernels. With `job.model.attention=splash` (or auto on a TPU) and allgather, eac
 splash kernel once for its own queries against the gathered row, with a mask computed inside the
 kernel from each query's place in the row (MaxText's load-balanced splash; `_splash_allgather`);
 with ring, each block it passes is one splash call, merged by the calls' log-sum-exps, with a
-gradient of its own (runner.models.splash_ring). Otherwise the blocks are XLA einsums with a
+gradient of its own (runner.models.attention.splash_ring). Otherwise the blocks are XLA einsums with a
 float32 online softmax (cuDNN takes no such mask). What cannot run is refused by
 runner.parallel.mesh.check_context.
 """
@@ -49,10 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.models import splash, splash_ring
-from runner.models.common import Q_AXES, fit_spec
-from runner.models.context_order import (AXIS, active, context_ways, from_context_order, to_context_order,
-                                         zigzag_order)
+from runner.models.attention import splash
+from runner.models.attention import splash_ring
+from runner.models.common.layers import Q_AXES, fit_spec
+from runner.models.attention.context_order import (AXIS, active, context_ways, from_context_order, to_context_order,
+    zigzag_order)
 
 __all__ = ["AXIS", "active", "context_ways", "from_context_order", "to_context_order", "zigzag_order",
            "context_attention", "choose", "splash_fits", "whole_row_tables_fit", "local_heads"]
@@ -73,9 +74,13 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _mask(q_index: jax.Array, k_index: jax.Array, q_seg: Optional[jax.Array],
-          k_seg: Optional[jax.Array]) -> jax.Array:
-    """(B or 1, 1, 1, Tq, Tk): a key at or before the query in the original row, of its document."""
-    causal = (k_index[None, :] <= q_index[:, None])[None, None, None]
+          k_seg: Optional[jax.Array], window: int = 0) -> jax.Array:
+    """(B or 1, 1, 1, Tq, Tk): a key at or before the query in the original row (within its last
+    `window` keys: 0, all), of its document."""
+    causal = k_index[None, :] <= q_index[:, None]
+    if window:
+        causal = causal & (q_index[:, None] - k_index[None, :] < window)
+    causal = causal[None, None, None]
     if q_seg is None:
         return causal
     return causal & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
@@ -87,14 +92,16 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq_len: int, ways: int,
-                 ring: bool, hop: int = 1) -> jax.Array:
+                 ring: bool, hop: int = 1, window: int = 0) -> jax.Array:
     """One shard's queries against the row's key/value blocks, one block at a time into a running
     softmax (max, denominator, weighted values) in float32: the blocks gathered from every shard
     first (allgather), or passed around the ring of shards, the next transfer issued before this
     block's compute (ring). The running max is kept out of the gradient (any shift gives the same
     result), and the backward pass recomputes each block's scores instead of keeping them. Under
     usp (`hop` > 1) a block is the rows of `hop` consecutive shards (a ulysses group, for this
-    shard's share of the heads) and the ring runs between groups, `hop` shards at a time."""
+    shard's share of the heads) and the ring runs between groups, `hop` shards at a time. A
+    sliding `window` masks each block by the places of its keys; a block wholly out of reach is
+    still computed (its scores all masked)."""
     blocks = ways // hop
     order = jnp.asarray(zigzag_order(seq_len, ways)).reshape(blocks, -1)
     me = jax.lax.axis_index(AXIS) // hop
@@ -112,7 +119,7 @@ def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Arr
             held = [jax.lax.ppermute(a, AXIS, perm) for a in held]  # issued before the compute
         else:
             k_blk, v_blk, s_blk = (a[source] for a in gathered)
-        mask = _mask(order[me], order[source], seg, s_blk if seg is not None else None)
+        mask = _mask(order[me], order[source], seg, s_blk if seg is not None else None, window)
         s = jnp.where(mask, _scores(qg, k_blk), -jnp.inf)
         new_top = jax.lax.stop_gradient(jnp.maximum(top, jnp.max(s, axis=-1)))
         shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
@@ -131,7 +138,7 @@ def _fold_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Arr
 
 def _splash_allgather(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
                       q_spec: jax.sharding.PartitionSpec, kv_spec: jax.sharding.PartitionSpec, ways: int,
-                      interpret: bool) -> jax.Array:
+                      interpret: bool, window: int = 0) -> jax.Array:
     """allgather with the splash kernel: each shard gathers the row's keys and values (and
     segment ids), puts them back in the original order, and runs one kernel call for its own
     queries, whose mask knows each query's place in the row (MaxText's load-balanced splash).
@@ -139,7 +146,8 @@ def _splash_allgather(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Opt
     the kernel's own."""
     mesh = jax.sharding.get_abstract_mesh()
     seq_len = q.shape[1]
-    kernel = splash.zigzag_causal_kernel(q.shape[2] // k.shape[2], zigzag_order(seq_len, ways), ways, interpret)
+    kernel = splash.zigzag_causal_kernel(q.shape[2] // k.shape[2], zigzag_order(seq_len, ways), ways, interpret,
+                                         window)
     kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, AXIS)))
     back = np.argsort(zigzag_order(seq_len, ways))
 
@@ -182,7 +190,7 @@ def _ulysses(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array],
 
 
 def _usp(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq_len: int, ways: int,
-         hop: int) -> jax.Array:
+         hop: int, window: int = 0) -> jax.Array:
     """USP: within each group of `hop` consecutive shards an all-to-all gives every shard the
     group's rows for 1/hop of its heads (ulysses); between the groups those rows' key/value blocks
     travel a ring (`_fold_blocks`); an all-to-all in the group returns the output to its shards."""
@@ -196,18 +204,20 @@ def _usp(q: jax.Array, k: jax.Array, v: jax.Array, seg: Optional[jax.Array], seq
         share = hop * (seq_len // ways)
         seg = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(seg, AXIS, axis=1, tiled=True),
                                            (jax.lax.axis_index(AXIS) // hop) * share, share, axis=1)
-    return exchange(_fold_blocks(q, k, v, seg, seq_len, ways, ring=True, hop=hop), 1, 2)
+    return exchange(_fold_blocks(q, k, v, seg, seq_len, ways, ring=True, hop=hop, window=window), 1, 2)
 
 
 def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array],
                       kv_axes: tuple[str, ...], impl: str = "xla", whole_rows: Optional[WholeRows] = None,
-                      ulysses_ways: int = 0) -> jax.Array:
+                      ulysses_ways: int = 0, window: int = 0) -> jax.Array:
     """Causal attention of rows in context order (q (B, T, N, H), k/v (B, T, K, H)), split over
     the context axis in shard_map: `allgather` or `ring` (`auto`: allgather), by the splash kernel
     (impl splash, where its tiles fit) or XLA blocks; `ulysses`, whole rows for a share of the
     heads attended by `whole_rows` (the implementation's own function on one device); or `usp`,
     ulysses within groups of `ulysses_ways` shards and a ring of XLA blocks between the groups.
-    Batch and heads stay split as their logical axes say."""
+    Batch and heads stay split as their logical axes say. A sliding `window` (keys a query sees,
+    itself included; 0: all) masks every kind; ring with a window runs XLA blocks (the splash ring's
+    three static block masks assume whole causal blocks), and ulysses passes it to `whole_rows`."""
     mesh = jax.sharding.get_abstract_mesh()
     ways, seq_len = int(dict(mesh.shape)[AXIS]), q.shape[1]
     q_spec, kv_spec = fit_spec(Q_AXES, q.shape, mesh), fit_spec(kv_axes, k.shape, mesh)
@@ -223,7 +233,8 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
         repeat = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         kv_spec = q_spec
-    interpret, kernel = impl == "splash_interpret", impl in SPLASH and splash_fits(kind, seq_len, ways)
+    interpret = impl == "splash_interpret"
+    kernel = impl in SPLASH and splash_fits(kind, seq_len, ways) and not (window and kind == "ring")
     if split > 1 and (local_heads(q.shape[2], q_spec[2], mesh) % split or ways % split
                       or (kind == "ulysses" and whole_rows is None)):
         raise ValueError(f"{kind}: {q.shape[2]} heads split as {q_spec[2]} do not divide over {split} of "
@@ -231,13 +242,13 @@ def context_attention(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, segme
     if kind == "ulysses":
         local = functools.partial(_ulysses, seq_len=seq_len, ways=ways, whole_rows=whole_rows)
     elif kind == "usp":
-        local = functools.partial(_usp, seq_len=seq_len, ways=ways, hop=split)
+        local = functools.partial(_usp, seq_len=seq_len, ways=ways, hop=split, window=window)
     elif kernel and kind != "ring":
-        return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=interpret)
+        return _splash_allgather(q, k, v, segment_ids, q_spec, kv_spec, ways, interpret=interpret, window=window)
     elif kernel:
         local = functools.partial(splash_ring.attend, ways=ways, interpret=interpret)
     else:
-        local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring")
+        local = functools.partial(_fold_blocks, seq_len=seq_len, ways=ways, ring=kind == "ring", window=window)
     P = jax.sharding.PartitionSpec
     if segment_ids is None:
         return jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(q_spec, kv_spec, kv_spec),
