@@ -169,3 +169,19 @@ def test_the_public_paths_users_rely_on_still_work() -> None:
     assert runner.job.JOBS is runner.train.job.JOBS and runner.job.RestoreableJob is runner.train.job.RestoreableJob
     assert runner.export.main is runner.main.export.main
     assert (ROOT / "runner" / "data" / "prepare.py").is_file()  # python -m runner.data.prepare stays where it was
+
+
+def test_every_module_is_reached_by_its_dotted_path() -> None:
+    """`import runner.models.attention.splash as s` resolves attributes from the package down: a
+    package's __init__ that binds a name of one of its subpackages (`kernels as attention`) would
+    shadow it, and such an import fail. The models' packages (the others are flat)."""
+    import functools
+    import importlib
+
+    import runner
+
+    for path in sorted((ROOT / "runner" / "models").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        module = importlib.import_module(name)
+        assert functools.reduce(getattr, name.split(".")[1:], runner) is module, name

@@ -14,13 +14,15 @@ from typing import Any, Sequence
 
 from runner.errors import ConfigError
 from runner.models.attention import context
-from runner.models.attention import kernels as attention
+from runner.models.attention import kernels
 from runner.models.common import pipeline, quantization, tiling
 from runner.models.common.decoder import OFFLOAD_PLATFORMS
+from runner.models.common.runtime import Runtime
 from runner.models.family import MODEL_FAMILIES, ModelFamily
+from runner.models.deepseek import model as _deepseek  # noqa: F401
 from runner.models.gemma import model as _gemma  # noqa: F401
 from runner.models.gpt import model as _gpt  # noqa: F401  (each family's model module registers it)
-from runner.models.hf import mapping as hf
+from runner.models.hf import mapping
 from runner.models.hf.adapter import adapter_of
 from runner.models.llama import model as _llama  # noqa: F401
 from runner.parallel.mesh import mesh_shape, ulysses_heads, usp_group_sizes, usp_ways
@@ -43,25 +45,26 @@ def platform(spec: ExecutionSpec) -> str:
         return named
     import jax
 
-    return attention.platform_of(jax.devices()[0])
+    return kernels.platform_of(jax.devices()[0])
 
 
 def model_config(spec: ExecutionSpec) -> Any:
-    """The family's config for job.model, its attention resolved for the target platform (auto
-    picks one; a platform that cannot run the one named is a ConfigError)."""
+    """The family's config for job.model with its run-time fields (runner.models.common.runtime)
+    resolved once for the target platform and mesh: the attention implementation (auto picks one;
+    a platform that cannot run the one named is a ConfigError), the context-parallel kind and usp
+    groups, the loss tiles, the pipeline, and what the family picks per platform. A user's family
+    whose config is not a Runtime runs as it is."""
     config = family_for(spec).config(spec.job.model)
-    if not dataclasses.is_dataclass(config) or not hasattr(config, "attention"):
+    if not isinstance(config, Runtime):
         return config
     target = platform(spec)
     check_offload(spec, target)
-    impl = attention.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
+    impl = kernels.check(config.attention, target, spec.job.model.compute_dtype, spec.train.seq_len)
     kind = context_choice(spec, target)[0]
-    config = dataclasses.replace(config, context_parallel=kind) if hasattr(config, "context_parallel") else config
     if spec.mesh.context > 1 and (kind == "usp" or kind != "ulysses" and not context_splash(spec, impl, kind)):
         impl = "xla"  # rows split over the context axis: XLA blocks (ulysses attends whole rows: any kernel)
-    config = dataclasses.replace(config, attention=impl)
-    if kind == "usp" and spec.mesh.context > 1 and hasattr(config, "ulysses_ways"):
-        config = dataclasses.replace(config, ulysses_ways=usp_ways(spec, spec.mesh.context))
+    ways = usp_ways(spec, spec.mesh.context) if kind == "usp" and spec.mesh.context > 1 else config.ulysses_ways
+    config = dataclasses.replace(config, attention=impl, context_parallel=kind, ulysses_ways=ways)
     config = pipeline.resolve(spec, tiling.resolve(spec, config))
     for_platform = getattr(family_for(spec), "for_platform", None)  # what else the family picks per platform
     return for_platform(config, target) if for_platform else config
@@ -94,7 +97,7 @@ def check_spec(spec: ExecutionSpec) -> None:
     family = family_for(spec)
     config = family.config(spec.job.model)
     named = parse_topology(spec.topology).platform if spec.topology else "auto"
-    attention.check(spec.job.model.attention, named, spec.job.model.compute_dtype, spec.train.seq_len)
+    kernels.check(spec.job.model.attention, named, spec.job.model.compute_dtype, spec.train.seq_len)
     check_offload(spec, named)
     if hasattr(family, "for_platform"):
         family.for_platform(config, named)
@@ -179,10 +182,10 @@ def with_hf_settings(spec: ExecutionSpec, overrides: Sequence[str]) -> Execution
     activation, biases, rope, epsilon; every field read or refused by the family's rules), over
     the job file's values. A job.model key set on the command line that contradicts config.json
     is refused naming both."""
-    if not spec.run.init_from.startswith(hf.HF_PREFIX):
+    if not spec.run.init_from.startswith(mapping.HF_PREFIX):
         return spec
-    where = hf.hf_dir(spec.run.init_from)
-    config = hf.read_config(where)
+    where = mapping.hf_dir(spec.run.init_from)
+    config = mapping.read_config(where)
     family = hf_family(spec.run.init_from, config.get("model_type"))
     user_keys = command_line_model_keys(overrides)
     if "scale" in user_keys and spec.job.model.scale:
@@ -215,12 +218,12 @@ def import_hf_params(spec: ExecutionSpec, config: Any, abstract_params: Any) -> 
     tensor in the files placed, or the import refused naming it."""
     import jax
 
-    where = hf.hf_dir(spec.run.init_from)
+    where = mapping.hf_dir(spec.run.init_from)
     shapes = {tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
               for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     adapter = adapter_of(family_for(spec))
-    tensors = hf.HFTensors(where, adapter.base_prefix)
-    return hf.import_params(adapter.layout(config), tensors, shapes, config.scan_layers, where, adapter.buffers(config))
+    tensors = mapping.HFTensors(where, adapter.base_prefix)
+    return mapping.import_params(adapter.layout(config), tensors, shapes, config.scan_layers, where, adapter.buffers(config))
 
 
 def place_hf_params(spec: ExecutionSpec, params: Any, abstract_params: Any) -> Any:
@@ -232,7 +235,7 @@ def place_hf_params(spec: ExecutionSpec, params: Any, abstract_params: Any) -> A
     placed = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), params, abstract_params)
     if jax.process_index() == 0:
         m = spec.job.model
-        print(f"warm start: parameters from the Hugging Face model {spec.run.init_from[len(hf.HF_PREFIX):]} "
+        print(f"warm start: parameters from the Hugging Face model {spec.run.init_from[len(mapping.HF_PREFIX):]} "
               f"({m.hf.architecture or m.family}: d_model={m.d_model}, n_layers={m.n_layers}, "
               f"n_heads={m.n_heads}, vocab_size={m.vocab_size}; job.model settings from its config.json)",
               flush=True)

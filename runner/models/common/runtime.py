@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.models.common.layers import Dtypes
+from runner.models.common.layers import COMPUTE_DTYPES, Dtypes
+
+REMATS = ("auto", "none", "full", "dots", "offload")  # runner.models.common.decoder.REMAT_POLICIES, and auto, none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,3 +31,11 @@ class Runtime(Dtypes):
     quantization: str = "none"  # job.model.quantization (runner.models.common.quantization)
     quantization_scope: tuple[str, ...] = ("attention", "mlp", "experts")
     quantization_scaling: str = "auto"
+
+    def __post_init__(self) -> None:
+        """A config built in code (tests, a user's script) is checked as job.model's keys are."""
+        for name in ("compute_dtype", "param_dtype"):
+            if getattr(self, name) not in COMPUTE_DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(COMPUTE_DTYPES)}")
+        if self.remat not in REMATS:
+            raise ValueError(f"remat must be 'auto', 'none', 'full', 'dots' or 'offload', got {self.remat!r}")

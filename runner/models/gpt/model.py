@@ -22,10 +22,9 @@ from runner.errors import ConfigError
 from runner.models.attention.context_order import to_context_order
 from runner.models.attention.kernels import attend
 from runner.models.common import tiling
-from runner.models.common.decoder import REMAT_POLICIES, Decoder, KVCache, attend_cached, layer_input, stack_blocks
-from runner.models.common.layers import (COMPUTE_DTYPES, LOGICAL_AXIS_RULES, activation, dense, embedding,
-                                         merge_heads, ones_init, project_heads, residual_std, state_over_context,
-                                         zeros_init)
+from runner.models.common.decoder import Decoder, KVCache, attend_cached, layer_input, stack_blocks
+from runner.models.common.layers import (LOGICAL_AXIS_RULES, activation, dense, embedding, merge_heads, ones_init,
+                                         project_heads, residual_std, state_over_context, zeros_init)
 from runner.models.common.quantization import quantized
 from runner.models.common.runtime import Runtime
 from runner.models.family import MODEL_FAMILIES, fields_of, refuse_foreign_keys
@@ -53,13 +52,9 @@ class GPTConfig(Runtime):
             # Frozen dataclass: resolve the default once so every consumer
             # (model, param_count, flops_per_token) sees the same value.
             object.__setattr__(self, "d_ff", 4 * self.d_model)
+        super().__post_init__()
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
-        for name in ("compute_dtype", "param_dtype"):
-            if getattr(self, name) not in COMPUTE_DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(COMPUTE_DTYPES)}")
-        if self.remat not in ("auto", "none", *REMAT_POLICIES):
-            raise ValueError(f"remat must be 'auto', 'none', 'full', 'dots' or 'offload', got {self.remat!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

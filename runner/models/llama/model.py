@@ -91,6 +91,7 @@ class LlamaConfig(Runtime):
         return self.moe_first_dense if self.moe_experts else self.n_layers
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.head_dim % 2:
@@ -291,10 +292,9 @@ class LlamaFamily:
                                   "routed scaling factor are DeepSeek-V3's, and the llama family routes over every "
                                   "expert with unscaled weights.", f"drop job.model.moe.{key}, or use "
                                   "job.model.family=deepseek.")
-        refuse_foreign_keys(model, "llama", ("moe.n_group", "moe.topk_group", "moe.routed_scaling",
-                                             "rope.mscale_all_dim"),
-                            "drop it, or use job.model.family=deepseek (DeepSeek-V3's group-limited routing, "
-                            "routed scaling and YaRN softmax scale are that family's).")
+        refuse_foreign_keys(model, "llama", ("rope.mscale_all_dim", "hf.rope_interleave"),
+                            "drop it, or use job.model.family=deepseek (DeepSeek-V3's YaRN softmax scale and "
+                            "interleaved rotary files are that family's).")
         r = model.rope
         if r.scaling not in ("none", "linear", "llama3", "yarn"):
             raise ConfigError("job.model.rope.scaling", r.scaling, "it is not a known rotary scaling.",
