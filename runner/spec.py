@@ -92,6 +92,9 @@ class HFOriginSpec(_Frozen):
     bos_token_id: Optional[int] = None
     # the exported end-of-sequence ids; empty: the training data's end-of-document id
     eos_token_id: list[int] = field(default_factory=list)
+    # deepseek family: the files' rotary rows in DeepSeek's interleaved pairs (transformers'
+    # rope_interleave), read that way on import and written that way on export; false: rotate-half
+    rope_interleave: bool = True
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,13 @@ REQUIRED: dict[tuple[str, str], list[str] | str] = {
     ("eval.evaluators", "multiple_choice"): "{name:multiple_choice,path:mc.jsonl}",
     ("eval.evaluators", "generate"): "{name:generate,prompts:['def '],max_new_tokens:4}",
     ("eval.evaluators", "lm_eval"): "{name:lm_eval,tasks:[mc_task],include_path:tasks}",
+    # Gemma 3 always norms queries and keys; its window and pattern, and DeepSeek-V3's latents and
+    # MTP module, at SMALL's width
+    ("job.model.family", "gemma"): ["job.model.qk_norm=true", "job.model.window.size=8",
+                                    "job.model.window.global_every=2"],
+    ("job.model.family", "deepseek"): ["job.model.mla.q_lora_rank=16", "job.model.mla.kv_lora_rank=16",
+                                       "job.model.mla.qk_nope_head_dim=8", "job.model.mla.qk_rope_head_dim=8",
+                                       "job.model.mla.v_head_dim=8", "job.model.mtp.depth=1"],
 }
 def sweeps(key: str) -> list[list[str]]:
     """The sweeps that run every name of one registry: names that need the same extra overrides

@@ -149,17 +149,21 @@ positions, seg = jnp.asarray(np.arange(T) - starts), jnp.asarray(seg)
 llama = dict(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4, head_dim=8, d_ff=48)
 models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
           "llama_mqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=1)),
-          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4))}
+          "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=T, d_model=32, n_layers=1, n_heads=4)),
+          # a sliding window of 100 keys: the kernel's windowed mask, blocks out of reach skipped (not under ring)
+          "llama_window": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2, window=100))}
 meshes = {"llama_gqa": ({"context": 4}, {"data": 2, "context": 2}, {"fsdp": 2, "context": 2},
                         {"context": 2, "tensor": 2}),
-          "llama_mqa": ({"context": 2, "tensor": 2},), "gpt": ({"context": 4},)}
+          "llama_mqa": ({"context": 2, "tensor": 2},), "gpt": ({"context": 4},),
+          "llama_window": ({"context": 4},)}
 ring_only = {"gpt": ({"context": 4, "docs": 0},)}  # rows without documents: no segment ids at all
 out = {kind: {} for kind in KINDS}
 for name, (Model, Family, cfg) in models.items():
     params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
     wants = {}  # one device's xla attention, once a model for each of the rows (with documents, without)
     for kind in KINDS:
-        for axes in meshes[name] + (ring_only.get(name, ()) if kind == "ring" else ()):
+        for axes in (meshes[name] if kind != "ring" or name != "llama_window" else ()) + (
+                ring_only.get(name, ()) if kind == "ring" else ()):
             docs = (seg, positions) if axes.get("docs", 1) else (None, None)
             if axes.get("docs", 1) not in wants:
                 wants[axes.get("docs", 1)] = logits_and_grads(Model(cfg), params, tokens, *docs)[0]
@@ -191,10 +195,10 @@ def test_the_splash_kernel_per_shard_gives_the_one_device_logits_and_gradients(s
     """attention=splash (Pallas interpret mode on CPU) with allgather: each shard's queries against
     the gathered keys and values in one kernel call whose mask knows the zig-zag order. 512-token
     packed rows on (context 4), (data 2, context 2), (fsdp 2, context 2), (context 2, tensor 2) for
-    llama GQA, MQA with split heads, and gpt: logits and gradients within float32 rounding of one
-    device's XLA attention."""
+    llama GQA, MQA with split heads, gpt, and llama with a sliding window of 100 keys (the kernel's
+    windowed mask): logits and gradients within float32 rounding of one device's XLA attention."""
     out = splash_512["allgather"]
-    assert len(out) == 6
+    assert len(out) == 7
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         assert result["gather"], (name, result)
@@ -207,10 +211,10 @@ def test_the_splash_kernel_on_whole_rows_under_ulysses_gives_the_one_device_logi
     """attention=splash with ulysses: after the all-to-all each device runs the ordinary splash
     kernel on whole 512-token rows (built for 512, not a shard's share) for its share of the
     heads, key/value heads repeated where they do not split (GQA over context 4 or beside tensor
-    2, MQA); the same meshes as allgather: logits and gradients within float32 rounding of one
-    device's XLA attention."""
+    2, MQA; a sliding window); the same meshes as allgather: logits and gradients within float32
+    rounding of one device's XLA attention."""
     out = splash_512["ulysses"]
-    assert len(out) == 6
+    assert len(out) == 7
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         assert result["kernels"] and set(result["kernels"]) == {512}, (name, result)  # whole rows

@@ -25,7 +25,7 @@ contiguous pieces: it is cut into 2C chunks, and shard i holds chunks i and 2C-1
 order), which gives every shard the same causal work. The family's decoder puts the row's tokens,
 positions and segment ids into this order before the embedding, and the loss its targets; each
 token's loss (or, for logits, the hidden states before the head) comes back in the row's order
-(runner.models.attention.context_order). Reordering integers keeps every device from gathering whole rows
+(runner.models.common.context_order). Reordering integers keeps every device from gathering whole rows
 of hidden states (4,194,304 tokens of Llama 3 8B: 64 GiB of float32 on each device). Attention
 masks by each token's place in the original row and its document (segment id): a document that
 spans two shards attends within itself only, whatever the order.
@@ -52,7 +52,7 @@ import numpy as np
 from runner.models.attention import splash
 from runner.models.attention import splash_ring
 from runner.models.common.layers import Q_AXES, fit_spec
-from runner.models.attention.context_order import (AXIS, active, context_ways, from_context_order, to_context_order,
+from runner.models.common.context_order import (AXIS, active, context_ways, from_context_order, to_context_order,
     zigzag_order)
 
 __all__ = ["AXIS", "active", "context_ways", "from_context_order", "to_context_order", "zigzag_order",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models.attention.context_order import to_context_order
+from runner.models.common.context_order import to_context_order
 from runner.models.attention.kernels import attend
 from runner.models.common import tiling
 from runner.models.common.decoder import Decoder, KVCache, attend_cached, layer_input, stack_blocks
@@ -230,11 +230,15 @@ class GPTFamily:
             raise ConfigError("job.model.moe.n_experts", model.moe.n_experts, "the gpt family has no "
                               "mixture-of-experts layers, so it would train a dense model.",
                               "use job.model.family=llama for a mixture of experts, or drop it.")
+        refuse_foreign_keys(model, "gpt", ("moe",), "drop it: the gpt family has no mixture-of-experts layers "
+                            "(job.model.family=llama or deepseek has them).")
         refuse_foreign_keys(model, "gpt", ("n_kv_heads", "qk_norm", "qkv_bias", "out_bias", "mlp_bias", "rope"),
                             "drop it, or use job.model.family=llama; the gpt family's biases are job.model.use_bias.")
         refuse_foreign_keys(model, "gpt", ("window", "softcap", "query_pre_attn_scalar", "mla", "mtp"),
                             "drop it, or use the family that reads it (llama, gemma: window; gemma: softcap, "
                             "query_pre_attn_scalar; deepseek: mla, mtp).")
+        refuse_foreign_keys(model, "gpt", ("hf.rope_interleave",), "drop it: the gpt family has no rotary "
+                            "embeddings (interleaved rotary files are the deepseek family's).")
         if model.hf.architecture not in ("", gpt_hf.ARCHITECTURE):
             raise ConfigError("job.model.hf.architecture", model.hf.architecture, "the gpt family exports as "
                               f"{gpt_hf.ARCHITECTURE} only.", f"use {gpt_hf.ARCHITECTURE}, or leave it empty.")

@@ -74,16 +74,26 @@ def zeros_of(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[str, ...], C
     return name, (), lambda: np.zeros(shape, np.float32), check
 
 
+# A source that starts with this names a leaf of the model state (MODEL_STATE: an MoE router's
+# moving selection bias), not a parameter: an export reads it from the checkpoint and `to_hf` adds it
+# in; an import leaves it alone (a run's model state starts afresh, and the parameter it is added to
+# carries the imported value).
+STATE_SOURCE = "model_state:"
+
+
 def param_path(source: str, layer: int | None, scanned: bool, split: int = 0) -> tuple[tuple[str, ...], int | None]:
     """(runner parameter path, index into its stacked layer axis or None). Unrolled, layer i is
     `block_i`; scanned, layers [0, split) are stacked as `dense_blocks` and the rest as `blocks`
-    (runner.models.llama.model.Llama.layers), each from index 0."""
-    parts = tuple(source.split("/"))
+    (runner.models.llama.model.Llama.layers), each from index 0. A model-state source's path starts
+    with STATE_SOURCE."""
+    state = source.startswith(STATE_SOURCE)
+    parts = tuple(source[len(STATE_SOURCE) if state else 0:].split("/"))
+    mark = (STATE_SOURCE,) if state else ()
     if layer is None:
-        return parts, None
+        return (*mark, *parts), None
     if not scanned:
-        return (f"block_{layer}", *parts), None
-    return (("dense_blocks", *parts), layer) if layer < split else (("blocks", *parts), layer - split)
+        return (*mark, f"block_{layer}", *parts), None
+    return ((*mark, "dense_blocks", *parts), layer) if layer < split else ((*mark, "blocks", *parts), layer - split)
 
 
 def _index(tensor: HFTensor, layer_index: int | None) -> tuple[int, ...]:
@@ -95,8 +105,8 @@ def _index(tensor: HFTensor, layer_index: int | None) -> tuple[int, ...]:
 
 
 class CheckpointParams:
-    """A checkpoint's parameters, read one leaf at a time as numpy arrays (orbax partial
-    restores on the CPU), the few most recent kept."""
+    """A checkpoint's parameters (and its model state, by paths that start with STATE_SOURCE), read
+    one leaf at a time as numpy arrays (orbax partial restores on the CPU), the few most recent kept."""
 
     def __init__(self, state_dir: Any, keep: int = 3) -> None:
         import orbax.checkpoint as ocp
@@ -112,6 +122,8 @@ class CheckpointParams:
         self.shapes: dict[tuple[str, ...], tuple[tuple[int, ...], Any]] = {}
         for path, leaf in _flatten(dict(tree).get("params", {})):
             self.shapes[path] = (tuple(leaf.shape), np.dtype(leaf.dtype))
+        for path, leaf in _flatten(dict(tree).get("model_state", None) or {}):
+            self.shapes[(STATE_SOURCE, *path)] = (tuple(leaf.shape), np.dtype(leaf.dtype))
         self._cache: OrderedDict[tuple[str, ...], np.ndarray] = OrderedDict()
         self.keep = keep
 
@@ -121,13 +133,14 @@ class CheckpointParams:
                 raise UserError(f"The checkpoint {self.state_dir} has no parameter {'/'.join(path)}. Fix: export it "
                                 "with the model settings it was trained with (its meta/ holds them).")
             shape, dtype = self.shapes[path]
-            item = _nest(path, np.zeros(shape, dtype))
-            restore_args = _nest(path, self._ocp.RestoreArgs(restore_type=np.ndarray))
+            collection, inner = ("model_state", path[1:]) if path[0] == STATE_SOURCE else ("params", path)
+            item = _nest(inner, np.zeros(shape, dtype))
+            restore_args = _nest(inner, self._ocp.RestoreArgs(restore_type=np.ndarray))
             with self._ocp.PyTreeCheckpointer() as checkpointer:
                 out = checkpointer.restore(self.state_dir, args=self._ocp.args.PyTreeRestore(
-                    item={"params": item}, restore_args={"params": restore_args}, partial_restore=True))
-            value = out["params"]
-            for key in path:
+                    item={collection: item}, restore_args={collection: restore_args}, partial_restore=True))
+            value = out[collection]
+            for key in inner:
                 value = value[key]
             self._cache[path] = np.asarray(value)
             while len(self._cache) > self.keep:
@@ -458,11 +471,17 @@ BufferCheck = Callable[[np.ndarray, Callable[[str], np.ndarray]], bool]
 def _place(flat: dict[tuple[str, ...], np.ndarray], tensor: HFTensor, value: np.ndarray,
            shapes: Mapping[tuple[str, ...], Any], scanned: bool, where: Path) -> None:
     """Put one Hugging Face tensor's parts into `flat` (runner path -> array): whole, or into its
-    layer's (and expert's) slot of a stacked parameter."""
+    layer's (and expert's) slot of a stacked parameter. A model-state source takes nothing; a
+    parameter two tensors fill (a file's copy of a shared table) must get the same value from both."""
     for source, part in zip(tensor.sources, tensor.from_hf(value)):
         path, index = param_path(source, tensor.layer, scanned, tensor.split)
+        if path[0] == STATE_SOURCE:
+            continue
         at = _index(tensor, index)
         if not at:
+            if path in flat and not np.array_equal(flat[path], part):
+                raise UserError(f"{where} holds {tensor.name}, a copy of what fills {'/'.join(path)}, with "
+                                "another value. Fix: import a model whose copies of its shared tensors agree.")
             flat[path] = part
             continue
         if path not in flat:

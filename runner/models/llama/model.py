@@ -24,7 +24,7 @@ import numpy as np
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models.attention.context_order import to_context_order
+from runner.models.common.context_order import to_context_order
 from runner.models.attention.kernels import attend
 from runner.models.common import tiling
 from runner.models.common.decoder import Decoder, KVCache, attend_cached, layer_input, stack_blocks
