@@ -131,7 +131,7 @@ def check_quantization(spec: ExecutionSpec, config: Any) -> list[str]:
     if model.quantization != "none" and not hasattr(config, "quantization"):
         raise ConfigError("job.model.quantization", model.quantization, f"the {model.family} family does not "
                           "quantize its matmuls (its config has no quantization field), so the run would train "
-                          "unquantized.", "use job.model.quantization=none, or a family that quantizes (gpt, llama).")
+                          "unquantized.", "use job.model.quantization=none, or a family that quantizes (gpt, llama, gemma).")
     topology = parse_topology(spec.topology) if spec.topology else None
     named = topology.platform if topology else "auto"
     return quantization.check(model, named, topology.chip if topology else None)

@@ -60,14 +60,20 @@ def is_embedding_path(path: tuple[Any, ...]) -> bool:
     return any(marker in name for name in names for marker in EMBEDDING_MARKERS)
 
 
+# Parameters no gradient moves (DeepSeek-V3's fixed selection bias, `score_bias`, an import's
+# e_score_correction_bias): decay alone would shrink them, and the export would write the shrunk value.
+FIXED_PARAMETERS = ("score_bias",)
+
+
 def decay_mask(params: Any) -> Any:
-    """True only for >=2-D weight matrices that are not embeddings.
+    """True only for >=2-D weight matrices that are not embeddings (nor fixed parameters).
 
     Decaying norm scales, biases and embedding rows pulls them toward zero for no benefit
     (the usual GPT recipe), so they are masked off.
     """
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.ndim(x) >= 2 and not is_embedding_path(path), params
+        lambda path, x: jnp.ndim(x) >= 2 and not is_embedding_path(path)
+        and _key_name(path[-1]) not in FIXED_PARAMETERS, params
     )
 
 

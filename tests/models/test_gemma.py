@@ -198,6 +198,8 @@ def test_every_layer_pattern_exports_to_a_config_transformers_takes_and_reads_ba
     overrides = [f"job.model.window.size={window}", f"job.model.window.global_every={every}"]
     if not window:
         overrides.append("job.model.window.local_rope_theta=0")
+    if window and not every:  # every layer windowed: the global base (the job's 1e6) would reach none
+        overrides.append("job.model.rope.theta=10000")
     spec = spec_for("job=gemma3_tiny", "job.model.n_layers=5", *overrides)
     config = GemmaFamily.config(spec.job.model)
     exported = gemma_hf.hf_config(config)

@@ -232,10 +232,12 @@ def test_optimizer_accepts_a_schedule() -> None:
 
 
 def test_decay_mask() -> None:
-    mask = decay_mask(small_params() | {"stack": jnp.ones((2, 4, 4)), "wpe": jnp.ones((8, 4))})
+    mask = decay_mask(small_params() | {"stack": jnp.ones((2, 4, 4)), "wpe": jnp.ones((8, 4)),
+                                        "moe": {"score_bias": jnp.ones((2, 8))}})
     assert mask == {
         "wte": {"embedding": False}, "wpe": False, "stack": True,
         "block": {"kernel": True, "bias": False}, "ln": {"scale": False},
+        "moe": {"score_bias": False},  # DeepSeek-V3's fixed selection bias, stacked over layers: never decayed
     }
 
 

@@ -21,6 +21,7 @@ import json, dataclasses, jax, jax.numpy as jnp, numpy as np, flax.linen as nn
 from runner.parallel.mesh import make_mesh
 from runner.models.llama.model import Llama, LlamaConfig, LlamaFamily
 from runner.models.gpt.model import GPT, GPTConfig, GPTFamily
+from runner.models.gemma.model import Gemma, GemmaConfig, GemmaFamily
 from tests.models.test_moe import moe_config
 from tests.parallel.equivalence import logits_and_grads, relative_error
 
@@ -38,7 +39,10 @@ models = {"llama_gqa": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2)),
           "gpt": (GPT, GPTFamily, GPTConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4)),
           "moe": (Llama, LlamaFamily, dataclasses.replace(moe_config(n_shared_experts=1), context_length=32)),
           # a sliding window of 5 keys: it crosses the chunks of 4 (context 4) and 8 (context 2) of every shard
-          "llama_window": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2, window=5))}
+          "llama_window": (Llama, LlamaFamily, LlamaConfig(**llama, n_kv_heads=2, window=5)),
+          # Gemma 3: windowed layers (5 keys) around a global one, scanned as a period and a tail
+          "gemma": (Gemma, GemmaFamily, GemmaConfig(**llama, n_kv_heads=2, window_size=5, global_every=2,
+                                                    query_pre_attn_scalar=16))}
 # meshes of 4 (on the first 4 devices): every kind; meshes of 8: usp, ulysses and ring beside other axes
 fours = ({"data": 1, "fsdp": 1, "context": 4, "tensor": 1}, {"data": 2, "fsdp": 1, "context": 2, "tensor": 1},
          {"data": 1, "fsdp": 2, "context": 2, "tensor": 1}, {"data": 1, "fsdp": 1, "context": 2, "tensor": 2})
@@ -48,13 +52,15 @@ cases = {"llama_gqa": [({"context": 8}, "usp", 2), ({"context": 8}, "usp", 4), (
          "llama_mqa": [({"context": 8}, "usp", 4), ({"context": 4, "tensor": 2}, "usp", 2)],
          "gpt": [({"context": 8}, "usp", 2), ({"fsdp": 2, "context": 4}, "ulysses", 0)],
          "moe": [({"expert": 2, "context": 4}, "usp", 2), ({"expert": 2, "context": 4}, "ulysses", 0)],
-         "llama_window": [({"context": 8}, "usp", 2)]}
+         "llama_window": [({"context": 8}, "usp", 2)],
+         "gemma": [({"context": 8}, "allgather", 0), ({"fsdp": 2, "context": 4}, "ring", 0),
+                   ({"data": 2, "context": 4}, "ulysses", 0), ({"context": 8}, "usp", 2)]}
 out = {"4": {}, "8": {}}
 for name, (Model, Family, cfg) in models.items():
     params = nn.unbox(Model(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
     reference = dataclasses.replace(cfg, moe_dispatch="dense") if name == "moe" else cfg
     want, _ = logits_and_grads(Model(reference), params, tokens, seg, positions)  # one device, once a model
-    for shape in fours if name != "moe" else ():
+    for shape in fours if name not in ("moe", "gemma") else ():
         for kind in ("allgather", "ring", "ulysses", "usp"):
             if kind == "usp" and shape["context"] < 4:  # groups of 2 and a ring of 2: context 4 at least
                 continue
@@ -109,14 +115,15 @@ def test_context_meshes_give_the_one_device_logits_and_gradients(equivalence) ->
 def test_on_8_devices_usp_ulysses_and_ring_give_the_one_device_logits_and_gradients(equivalence) -> None:
     """8 CPU devices: usp with groups of 2 (a ring of 4) and of 4 (a ring of 2) over context 8, and
     beside data, tensor and expert axes; ulysses beside data, fsdp and expert; ring beside fsdp;
-    for llama (GQA, MQA), gpt and an MoE (against its dense dispatch), with packed documents:
+    for llama (GQA, MQA, a sliding window), gpt, an MoE (against its dense dispatch) and Gemma 3
+    (every kind, its windowed and global layers), with packed documents:
     every logit and every gradient within float32 rounding of one device."""
     out = equivalence["8"]
-    assert len(out) == 13
+    assert len(out) == 17
     for name, result in out.items():
         assert result["error"] < 1e-5, (name, result)
         kind = name.rsplit("/", 1)[1]
-        assert result["all_to_all"] == (not kind.startswith("ring")), (name, result)
+        assert result["all_to_all"] == kind.startswith(("ulysses", "usp")), (name, result)  # heads travel only there
         if kind.startswith(("usp", "ring")):
             assert result["permute"], (name, result)  # the ring between the groups
 

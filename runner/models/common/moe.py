@@ -71,7 +71,7 @@ class Routing:
 
     experts: jax.Array  # (T, k) int32
     weights: jax.Array  # (T, k)
-    probs: jax.Array  # (T, E)
+    probs: jax.Array  # (T, E), summing to one per token (sigmoid scores normalised, as DeepSeek-V3's loss has them)
     logits: jax.Array  # (T, E)
 
 
@@ -95,6 +95,8 @@ def route(logits: jax.Array, top_k: int, score: str = "softmax", normalize: bool
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-9)
     if scaling != 1.0:
         weights = weights * scaling
+    if score == "sigmoid":  # the balancing loss's probabilities: each token's scores normalised (DeepSeek-V3's s')
+        probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-9)
     return Routing(experts=experts.astype(jnp.int32), weights=weights, probs=probs, logits=logits)
 
 

@@ -199,7 +199,7 @@ def check(spec: Any, config: Any, context_kind: str = "") -> None:
     key = "mesh.stage"
     if not hasattr(config, "pipeline_stages"):
         _refuse(key, stages, f"the {model.family} family does not run its layers in stages (its config has no "
-                "pipeline_stages).", "use mesh.stage=1, or a family with stages (gpt, llama).")
+                "pipeline_stages).", "use mesh.stage=1, or a family with stages (gpt, llama, deepseek).")
     groups = stages * spec.pipeline.repeats
     what = f"mesh.stage={stages} x pipeline.repeats={spec.pipeline.repeats} = {groups}" \
         if spec.pipeline.repeats > 1 else f"mesh.stage={stages}"

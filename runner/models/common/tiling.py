@@ -135,7 +135,7 @@ def check(spec: Any, config: Any) -> None:
     for key, tiles in (("loss_tiles", model.loss_tiles), ("mlp_tiles", model.mlp_tiles)):
         if tiles > 1 and not hasattr(config, key):
             _refuse(key, tiles, f"the {model.family} family does not tile it (its config has no {key}).",
-                    f"drop job.model.{key}, or use a family that tiles (gpt, llama).")
+                    f"drop job.model.{key}, or use a family that tiles (gpt, llama, gemma, deepseek).")
         if tiles > 1 and share % tiles:
             _refuse(key, tiles, f"a tile takes one token in {tiles} of each device's share of a row, and that share "
                     f"(train.seq_len={spec.train.seq_len} / mesh.context={spec.mesh.context} = {share} tokens) does "

@@ -198,7 +198,14 @@ def _mtp_layers_held(init_from: str, layers: int, declared: int) -> int | None:
 
 
 def architecture(cfg: Any, exporting: bool = False) -> tuple[str, str]:
-    """Every deepseek-family model is a DeepseekV3ForCausalLM."""
+    """Every deepseek-family model is a DeepseekV3ForCausalLM; exported, with at most one MTP module
+    (DeepSeek-V3's): transformers' own MTP layer passes each depth's normed output on, runner's module
+    its hidden state, so deeper chains would draft differently there (refused when `exporting`)."""
+    if exporting and cfg.mtp_depth > 1:
+        raise ConfigError("job.model.mtp.depth", cfg.mtp_depth, "a chain of MTP modules feeds each depth runner's "
+                          "hidden state, where transformers' MTP layer passes its normed output on, so the export "
+                          "would predict other drafts.", "train with job.model.mtp.depth=1 (DeepSeek-V3's) to "
+                          "exchange the model with transformers; evaluate this one with mode=eval.")
     return ARCHITECTURE, MODEL_TYPE
 
 

@@ -152,10 +152,30 @@ def softmax_gain(cfg: DeepSeekConfig) -> float:
     return (0.1 * cfg.rope_mscale_all_dim * math.log(cfg.rope_factor) + 1.0) ** 2
 
 
+LATENT_NORM_EPS = 1e-6  # DeepseekV3Attention's q_a_layernorm and kv_a_layernorm (not rms_norm_eps)
+
+
 def axis_rules(cfg: DeepSeekConfig, tensor: int) -> tuple[tuple[str, Any], ...]:
-    """The shared rules plus the latents (replicated: they are narrow, and every head reads all of
-    them), MTP's joined input (replicated) and the experts on mesh.expert, as the llama family's."""
-    return (*LOGICAL_AXIS_RULES, ("q_lora", None), ("kv_lora", None), ("joined", None), ("expert", "expert"))
+    """The shared rules plus the experts on mesh.expert (ahead of "embed", which is offered the
+    expert axis too: `DeepSeekFamily.axis_rules`), the latents (replicated: they are narrow, and
+    every head reads all of them) and MTP's joined input (replicated)."""
+    return (*LOGICAL_AXIS_RULES[:1], ("expert", "expert"), *LOGICAL_AXIS_RULES[1:], ("q_lora", None),
+            ("kv_lora", None), ("joined", None))
+
+
+def with_embed_over_expert(rules: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """`rules` with the weights' "embed" axis offered fsdp (and context) x expert first, MaxText's
+    rule, falling back to the next "embed" rule where expert is taken (an expert's own weights,
+    whose "expert" rule comes first; an activation, whose batch holds it): with 256 experts over
+    mesh.expert=64 the dense weights (DeepSeek-V3's 17B) would otherwise be split fsdp ways only.
+    An activation's latent axis falls back to its replicated rule (its batch holds the axes)."""
+    at = next(i for i, (name, _) in enumerate(rules) if name == "embed")
+    axes = rules[at][1]
+    axes = (*((axes,) if isinstance(axes, str) else tuple(axes or ())), "expert")
+    # the latents' side of the up projections (query_up, kv_up: latent x heads x width) likewise: split
+    # over heads by mesh.tensor alone they would be whole on every device (3.3B of DeepSeek-V3's)
+    latents = [("q_lora", axes), ("kv_lora", axes)]
+    return (*rules[:at], ("embed", axes), *rules[at:at + 1], *latents, *rules[at + 1:])
 
 
 def _heads(cfg: DeepSeekConfig, x: jax.Array, shape: tuple[int, int, int], names: tuple[str, str, str],
@@ -193,7 +213,8 @@ class MLAttention(nn.Module):
                  cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         cfg = self.cfg
         n, nope, rope, width_v = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
+        # the latents' norms: transformers builds q_a_layernorm and kv_a_layernorm with its fixed 1e-6
+        norm = functools.partial(RMSNorm, LATENT_NORM_EPS, cfg.dtype, param_dtype=cfg.params_dtype)
         if cfg.q_lora_rank:
             latent_q = dense(cfg, cfg.q_lora_rank, ("embed", "q_lora"), 0.02, False, "query_down")(x)
             latent_q = norm(axis_name="q_lora", name="query_norm")(latent_q)
@@ -218,7 +239,7 @@ class MLAttention(nn.Module):
         gain = softmax_gain(cfg)
         if cache is None:
             width = max(cfg.qk_head_dim, width_v)  # one width for the kernels: zero-padded, the output sliced
-            q = q * jnp.asarray(gain * math.sqrt(width / cfg.qk_head_dim), q.dtype)
+            q = (q.astype(jnp.float32) * (gain * math.sqrt(width / cfg.qk_head_dim))).astype(q.dtype)
             y = attend(cfg.attention, _pad(q, width), _pad(k, width), _pad(v, width), segment_ids,
                        kv_axes=("batch", "length", "heads", "kv"), context_parallel=cfg.context_parallel,
                        ulysses_ways=cfg.ulysses_ways, initializing=self.is_initializing())[..., :width_v]
@@ -531,6 +552,17 @@ class DeepSeekFamily:
         if model.hf.architecture not in ("", deepseek_hf.ARCHITECTURE):
             raise ConfigError("job.model.hf.architecture", model.hf.architecture, "the deepseek family exports as "
                               f"{deepseek_hf.ARCHITECTURE}.", "use it, or leave it empty.")
+        from runner.spec import MoESpec, MTPSpec
+
+        if not model.moe.n_experts and model.moe != MoESpec():
+            key, value = next((k, v) for k, v in vars(model.moe).items() if v != getattr(MoESpec(), k))
+            raise ConfigError(f"job.model.moe.{key}", value, "job.model.moe.n_experts is 0 (every layer a dense "
+                              "MLP), so it would change nothing.", "set job.model.moe.n_experts (DeepSeek-V3: 256), "
+                              "or drop it.")
+        if not model.mtp.depth and model.mtp != MTPSpec():
+            raise ConfigError("job.model.mtp.loss_weight", model.mtp.loss_weight, "job.model.mtp.depth is 0 (no "
+                              "multi-token prediction module), so it would change nothing.",
+                              "set job.model.mtp.depth (DeepSeek-V3: 1), or drop it.")
         m = model.mla
         return fields_of(DeepSeekConfig, model, d_ff=model.d_ff or 4 * model.d_model, q_lora_rank=m.q_lora_rank,
                          kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
@@ -552,7 +584,8 @@ class DeepSeekFamily:
 
     @staticmethod
     def axis_rules(config: DeepSeekConfig, mesh_shape: Any) -> tuple[tuple[str, Any], ...]:
-        return state_over_context(axis_rules(config, int(dict(mesh_shape).get("tensor", 1))), mesh_shape)
+        rules = state_over_context(axis_rules(config, int(dict(mesh_shape).get("tensor", 1))), mesh_shape)
+        return with_embed_over_expert(rules)
 
     param_count = staticmethod(param_count)
     active_param_count = staticmethod(active_param_count)

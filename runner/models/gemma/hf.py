@@ -72,6 +72,10 @@ def _rope_of(kind: str, config: Mapping[str, Any]) -> dict[str, Any]:
         if unknown:
             raise Refused(f"rope parameters for layer types {unknown}, which Gemma 3 does not have.", _SUPPORTED_ROPE,
                           "give rope parameters for sliding_attention and full_attention only.")
+        if config.get("rope_scaling"):  # transformers would fold it into the global layers' parameters
+            raise Refused("both rope_parameters and the older rope_scaling are set, and transformers merges the "
+                          "latter into the global layers' parameters.", _SUPPORTED_ROPE,
+                          "keep one of them (transformers saves rope_parameters alone).")
         out = dict(params.get(kind) or {"rope_type": "default"})
     else:
         out = {"rope_type": "default", **(dict(config.get("rope_scaling") or {}) if kind == FULL else {})}
@@ -193,6 +197,10 @@ def settings(init_from: str, config: Mapping[str, Any], model: Any) -> dict[str,
     out = {"family": "gemma", "hf.architecture": ARCHITECTURE, "hf.bos_token_id": None, "hf.eos_token_id": [],
            "softcap.attention": 0.0, "softcap.final": 0.0, **IMPLIED}
     out.update(read_hf_config(init_from, config, RULES, DEFAULTS, model))
+    if out.get("window.size") and not out.get("window.global_every"):
+        # every layer windowed: the global layers' rotary fields (their defaults, say) reach no layer
+        for key in ("rope.theta", "rope.scaling", "rope.factor"):
+            out.pop(key, None)
     return out
 
 
@@ -209,6 +217,10 @@ def architecture(cfg: Any, exporting: bool = False) -> tuple[str, str]:
                           "soft-cap the attention scores (it carries attn_logit_softcapping unused), so the export "
                           "would compute another model.", "train without job.model.softcap.attention to exchange the "
                           "model with transformers; evaluate this one with mode=eval.")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError("job.model.n_heads", cfg.n_heads, f"{ARCHITECTURE}'s config requires it to divide "
+                          f"hidden_size (job.model.d_model={cfg.d_model}), though runner's head_dim is apart, so "
+                          "this model could not be exported to Hugging Face.", "use a divisor of job.model.d_model.")
     scalar = cfg.query_pre_attn_scalar
     if scalar != int(scalar):
         raise ConfigError("job.model.query_pre_attn_scalar", scalar, f"{ARCHITECTURE}'s config holds a whole "

@@ -209,7 +209,7 @@ class Attention(nn.Module):
         else:  # the kernels scale by head_dim ** -1/2: the queries carry the rest
             relative = cfg.q_scale * math.sqrt(cfg.head_dim)
             if relative != 1.0:
-                q = q * jnp.asarray(relative, q.dtype)
+                q = (q.astype(jnp.float32) * relative).astype(q.dtype)
             y = kernels.attend(cfg.attention, q, k, v, segment_ids, kv_axes=("batch", "length", "kv_heads", "kv"),
                                context_parallel=cfg.context_parallel, ulysses_ways=cfg.ulysses_ways,
                                initializing=self.is_initializing(), window=window)
@@ -453,6 +453,16 @@ class GemmaFamily:
                               f"so job.model.window.size={w.size} would change nothing.",
                               "use N > 1 (layers N-1, 2N-1, ... global, Gemma 3: 6), 0 (every layer windowed), or "
                               "job.model.window.size=0.")
+        if w.size and not (w.global_every and w.global_every <= model.n_layers):
+            # every layer windowed: the global layers' rotary settings reach none
+            moved = [(k, v) for k, v in (("rope.scaling", r.scaling), ("rope.theta", r.theta))
+                     if v != getattr(type(r)(), k.split(".")[1]) and (k != "rope.theta" or w.local_rope_theta)]
+            if moved:
+                raise ConfigError(f"job.model.{moved[0][0]}", moved[0][1], "it sets the global layers' rotary "
+                                  f"embedding, and with job.model.window.global_every={w.global_every} over "
+                                  f"{model.n_layers} layers every layer is windowed (base "
+                                  "job.model.window.local_rope_theta, never scaled): it would change nothing.",
+                                  "drop it, or set job.model.window.global_every to make some layers global.")
         if model.hf.architecture not in ("", gemma_hf.ARCHITECTURE):
             raise ConfigError("job.model.hf.architecture", model.hf.architecture, "the gemma family exports as "
                               f"{gemma_hf.ARCHITECTURE} only.", f"use {gemma_hf.ARCHITECTURE}, or leave it empty.")
