@@ -131,7 +131,8 @@ def check_quantization(spec: ExecutionSpec, config: Any) -> list[str]:
     if model.quantization != "none" and not hasattr(config, "quantization"):
         raise ConfigError("job.model.quantization", model.quantization, f"the {model.family} family does not "
                           "quantize its matmuls (its config has no quantization field), so the run would train "
-                          "unquantized.", "use job.model.quantization=none, or a family that quantizes (gpt, llama, gemma).")
+                          "unquantized.",
+                          "use job.model.quantization=none, or a family that quantizes (gpt, llama, gemma).")
     topology = parse_topology(spec.topology) if spec.topology else None
     named = topology.platform if topology else "auto"
     return quantization.check(model, named, topology.chip if topology else None)
@@ -223,7 +224,8 @@ def import_hf_params(spec: ExecutionSpec, config: Any, abstract_params: Any) -> 
               for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     adapter = adapter_of(family_for(spec))
     tensors = mapping.HFTensors(where, adapter.base_prefix)
-    return mapping.import_params(adapter.layout(config), tensors, shapes, config.scan_layers, where, adapter.buffers(config))
+    return mapping.import_params(adapter.layout(config), tensors, shapes, config.scan_layers, where,
+                                 adapter.buffers(config))
 
 
 def place_hf_params(spec: ExecutionSpec, params: Any, abstract_params: Any) -> Any:

@@ -16,8 +16,8 @@ Formats (FORMATS):
 Scaling is dynamic ("current scaling"): every matmul scales its operands by their absolute
 maximum (``job.model.quantization_scaling``: per channel, or per tensor, which fp8 matrix units
 fuse into the matmul; auto: tensor for fp8, channel for int8) when it runs, so there is no amax
-history and no scaling state to carry: a checkpoint of a quantized run holds exactly what an unquantized one does, and resumes
-bit-exact as one does.
+history and no scaling state to carry: a checkpoint of a quantized run holds exactly what an
+unquantized one does, and resumes bit-exact as one does.
 
 Scope (``job.model.quantization_scope``): which matmuls. A family names the module paths of each
 kind (its ``QUANTIZED``): ``attention`` (the query, key, value and output projections; never the
