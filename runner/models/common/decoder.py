@@ -12,11 +12,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from runner.models.common.context_order import from_context_order, to_context_order
 from runner.models.common import pipeline, tiling
+from runner.models.common.context_order import from_context_order, to_context_order
 from runner.models.common.layers import LAYER_SUMS, LOSSES, MODEL_STATE, REPORTS, normal_init
-
-# ----------------------------------------------------------------------------- decoder plumbing
 
 KVCache = tuple[jax.Array, jax.Array]  # cached (keys, values): (B, L, K, H) for one layer, stacked over layers
 

@@ -46,6 +46,7 @@ DISPATCHES = ("ragged", "gmm", "capacity", "dense")
 # block one batched matmul with its group's weights; dropless all the same).
 KERNELS = ("ragged_dot", "gmm", "gmm_interpret", "blocked")
 
+
 def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "ragged_dot") -> jax.Array:
     """rows (m, k) sorted by group, `sizes` rows each, times w (groups, k, n); rows past the
     sizes' sum come out zero. `gmm` is megablox's kernel (TPU), tiled in 128s: the rows are
@@ -61,6 +62,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str 
     out = megablox.gmm(padded, w, sizes, preferred_element_type=rows.dtype,
                        tiling=(tm, min(128, k), min(128, w.shape[2])), interpret=kernel == "gmm_interpret")
     return jnp.where(valid, out[:m], 0)
+
+
 SCORES = ("softmax", "sigmoid")
 
 
