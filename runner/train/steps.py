@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import optax
 
 from runner.data.documents import model_inputs
-from runner.models.common.layers import LOSSES, MODEL_STATE, REPORTS
 from runner.models.common.decoder import Decoder
+from runner.models.common.layers import LOSSES, MODEL_STATE, REPORTS
 from runner.observability import debug
 from runner.optim import offload, schedules
 from runner.parallel.mesh import microbatch_sharding

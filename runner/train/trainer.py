@@ -36,8 +36,7 @@ from runner.errors import UserError
 from runner.evaluation.base import EvalContext, Evaluator, build_evaluators
 from runner.exits import Preempted, TrainingHalted
 from runner.models import ModelFamily, context_choice, family_for
-from runner.models.common import pipeline
-from runner.models.common import tiling
+from runner.models.common import pipeline, tiling
 from runner.observability import debug, goodput
 from runner.observability.metrics import MetricsLogger
 from runner.observability.runcard import RunCard
@@ -138,12 +137,11 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
         return None
 
     def tiling(self) -> str:
-        """The launch's line on the tiles of each row's tokens (runner.models.common.tiling); empty when none."""
+        """The launch's line on the tiles of each row's tokens (runner.models.common.tiling); empty: none."""
         return tiling.describe(self.model_config, self.spec)
 
     def pipeline_schedule(self) -> str:
-        """The launch's line on the layers' pipeline stages and their bubble (runner.models.common.pipeline);
-        empty with one stage."""
+        """The launch's line on the pipeline stages and their bubble (common.pipeline); empty with one stage."""
         return pipeline.describe(self.model_config)
 
     def check_vocab(self) -> None:
