@@ -13,8 +13,7 @@ import math
 from typing import Any, Sequence
 
 from runner.errors import ConfigError
-from runner.models.attention import context
-from runner.models.attention import kernels
+from runner.models.attention import context, kernels
 from runner.models.common import pipeline, quantization, tiling
 from runner.models.common.decoder import OFFLOAD_PLATFORMS
 from runner.models.common.runtime import Runtime

@@ -49,8 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.models.attention import splash
-from runner.models.attention import splash_ring
+from runner.models.attention import splash, splash_ring
 from runner.models.common.layers import Q_AXES, fit_spec
 from runner.models.common.context_order import (AXIS, active, context_ways, from_context_order, to_context_order,
     zigzag_order)

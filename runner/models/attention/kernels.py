@@ -11,12 +11,12 @@
             cudnn on GPU with bfloat16 compute, xla otherwise. The default.
 
 Every implementation takes `segment_ids` (B, T) for document-masked packing: a query attends only
-to earlier keys of its own segment; and a sliding `window` (the keys a query sees, itself included,
-Hugging Face's `sliding_window`; 0: every earlier key): XLA and cuDNN by their local window,
-splash by a windowed mask whose blocks out of reach it skips, each context-parallel kind by its
-masks (runner.models.attention.context). None of them may ignore it (MaxText #4476: a fused kernel that
+to earlier keys of its own segment. None of them may ignore it (MaxText #4476: a fused kernel that
 dropped segment ids trained on the wrong loss without an error); tests compare each against xla
-with segments, outputs and gradients.
+with segments, outputs and gradients. Each takes a sliding `window` too (the keys a query sees,
+itself included, Hugging Face's `sliding_window`; 0: every earlier key): XLA and cuDNN by their
+local window, splash by a windowed mask whose blocks out of reach it skips, each context-parallel
+kind by its masks (runner.models.attention.context).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from runner.errors import ConfigError
-from runner.models.attention import context
-from runner.models.attention import splash
+from runner.models.attention import context, splash
 from runner.models.common.layers import Q_AXES, fit_spec
 from runner.registry import Registry
 
