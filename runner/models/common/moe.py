@@ -455,8 +455,7 @@ class MoEMLP(nn.Module):
 def for_platform(config: Any, platform: str) -> Any:
     """A family config's moe_* settings `platform` (tpu, gpu, cpu; auto: not known yet) decides:
     dispatch auto is gmm on TPU (megablox's grouped matmul) and ragged elsewhere; gmm is refused off
-    TPU; expert parallelism moves tokens by the ragged all-to-all where the platform has one. (The
-    llama family's LlamaFamily.for_platform is the same.)"""
+    TPU; expert parallelism moves tokens by the ragged all-to-all where the platform has one."""
     dispatch = config.moe_dispatch
     if dispatch == "auto":
         dispatch = "gmm" if platform == "tpu" else "ragged"
@@ -469,8 +468,7 @@ def for_platform(config: Any, platform: str) -> Any:
 
 
 def describe(config: Any, mesh_shape: Any) -> str:
-    """How a family config's experts run on a mesh (mode=compile's report); empty without experts.
-    (The llama family's LlamaFamily.describe is the same.)"""
+    """How a family config's experts run on a mesh (mode=compile's report); empty without experts."""
     if not config.moe_experts:
         return ""
     ways = int(dict(mesh_shape).get("expert", 1))

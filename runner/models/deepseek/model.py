@@ -42,16 +42,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models.common.context_order import from_context_order, to_context_order
 from runner.models.attention.kernels import attend
 from runner.models.common import moe as moe_lib
 from runner.models.common import tiling
-from runner.models.common.decoder import (REMAT_POLICIES, Decoder, KVCache, check_length, layer_input, output_head,
-                                          remat_of, stack_blocks)
-from runner.models.common.layers import (LOGICAL_AXIS_RULES, LOSSES, REPORTS, activation, dense, embedding,
+from runner.models.common.block import PreNormBlock
+from runner.models.common.context_order import from_context_order, to_context_order
+from runner.models.common.decoder import (REMAT_POLICIES, Decoder, KVCache, check_length, output_head, remat_of,
+                                          stack_blocks)
+from runner.models.common.layers import (LOGICAL_AXIS_RULES, LOSSES, REPORTS, dense, embedding,
                                          normal_init, residual_std, state_over_context)
-from runner.models.common.mlp import GatedMLP
-from runner.models.common.moe import MoEMLP
 from runner.models.common.norms import RMSNorm
 from runner.models.common.rope import apply_rope, rope_attention_scale, rope_frequencies
 from runner.models.common.runtime import Runtime
@@ -255,36 +254,10 @@ def _pad(x: jax.Array, width: int) -> jax.Array:
     return x if x.shape[-1] == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
 
 
-class Block(nn.Module):
-    """Pre-norm block, ``(carry, cache) -> (carry, new cache)`` to fit ``nn.scan``; `sparse`: its
-    feed-forward is the mixture of experts."""
+class Block(PreNormBlock):
+    """The shared pre-norm block (runner.models.common.block) with this family's attention."""
 
-    cfg: DeepSeekConfig
-    sparse: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-        cfg = self.cfg
-        x = layer_input(x)
-        norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
-        y, cache = MLAttention(cfg, name="attn")(norm(name="attn_norm")(x), positions, segment_ids, cache, index)
-        x = x + y
-        h = norm(name="mlp_norm")(x)
-        if self.sparse:
-            x = x + MoEMLP(cfg, activation(cfg.activation), name="moe")(h)
-        else:  # tiled when training (a cache: decoding a token or a prompt)
-            x = x + tiling.feed_forward(GatedMLP(cfg, name="mlp"), h, cfg.mlp_tiles if cache is None else 1)
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
-
-    @staticmethod
-    def settle(cfg: DeepSeekConfig, sums: Any, state: Any) -> tuple[Any, Any, Any]:
-        """A pipeline's (LOSSES, REPORTS, MODEL_STATE) of the layers, stacked, from their routing
-        sums over the batch (runner.models.common.decoder.pipelined_blocks): what their calls make."""
-        bias = state.get("moe", {}).get("router_bias")
-        loss, reports, moved = moe_lib.settle(cfg, sums["moe"]["routing"][0], bias)
-        return ({"moe": {"moe_balancing": (loss,)}}, {"moe": {f"moe/{k}": (v,) for k, v in reports.items()}},
-                {} if moved is None else {"moe": {"router_bias": moved}})
+    attention_cls = MLAttention
 
 
 class MTPModule(nn.Module):

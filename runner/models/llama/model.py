@@ -13,8 +13,6 @@ divides n_kv_heads, replicated when it does not (see `axis_rules`).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,15 +21,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from runner.errors import ConfigError
-from runner.models.common.context_order import to_context_order
 from runner.models.attention.kernels import attend
-from runner.models.common import tiling
-from runner.models.common.decoder import Decoder, KVCache, attend_cached, layer_input, stack_blocks
-from runner.models.common.layers import (LOGICAL_AXIS_RULES, activation, embedding, merge_heads, project_heads,
-                                         state_over_context)
-from runner.models.common.mlp import GatedMLP
-from runner.models.common.moe import MoEMLP
-from runner.models.common.moe import settle as settle_routing
+from runner.models.common.block import PreNormBlock
+from runner.models.common.context_order import to_context_order
+from runner.models.common.decoder import Decoder, KVCache, attend_cached, stack_blocks
+from runner.models.common.layers import LOGICAL_AXIS_RULES, embedding, merge_heads, project_heads, state_over_context
+from runner.models.common.moe import describe as describe_experts
+from runner.models.common.moe import for_platform as moe_for_platform
 from runner.models.common.norms import RMSNorm
 from runner.models.common.quantization import quantized
 from runner.models.common.rope import apply_rope, rope_attention_scale, rope_frequencies
@@ -132,36 +128,10 @@ class Attention(nn.Module):
         return merge_heads(cfg, y, cfg.out_bias), cache
 
 
-class Block(nn.Module):
-    """Pre-norm block, ``(carry, cache) -> (carry, new cache)`` to fit ``nn.scan``; `sparse`: its
-    feed-forward is the mixture of experts."""
+class Block(PreNormBlock):
+    """The shared pre-norm block (runner.models.common.block) with this family's attention."""
 
-    cfg: LlamaConfig
-    sparse: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: KVCache | None = None, index: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-        cfg = self.cfg
-        x = layer_input(x)
-        norm = functools.partial(RMSNorm, cfg.norm_eps, cfg.dtype, param_dtype=cfg.params_dtype)
-        y, cache = Attention(cfg, name="attn")(norm(name="attn_norm")(x), positions, segment_ids, cache, index)
-        x = x + y
-        h = norm(name="mlp_norm")(x)
-        if self.sparse:
-            x = x + MoEMLP(cfg, activation(cfg.activation), name="moe")(h)
-        else:  # tiled when training (a cache: decoding a token or a prompt)
-            x = x + tiling.feed_forward(GatedMLP(cfg, name="mlp"), h, cfg.mlp_tiles if cache is None else 1)
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), cache
-
-    @staticmethod
-    def settle(cfg: LlamaConfig, sums: Any, state: Any) -> tuple[Any, Any, Any]:
-        """A pipeline's (LOSSES, REPORTS, MODEL_STATE) of the layers, stacked, from their routing
-        sums over the batch (runner.models.common.decoder.pipelined_blocks): what their calls make."""
-        bias = state.get("moe", {}).get("router_bias")
-        loss, reports, moved = settle_routing(cfg, sums["moe"]["routing"][0], bias)
-        return ({"moe": {"moe_balancing": (loss,)}}, {"moe": {f"moe/{k}": (v,) for k, v in reports.items()}},
-                {} if moved is None else {"moe": {"router_bias": moved}})
+    attention_cls = Attention
 
 
 class Llama(Decoder):
@@ -315,38 +285,9 @@ class LlamaFamily:
                          window=model.window.size,
                          **moe_settings(model))
 
-    @staticmethod
-    def for_platform(config: LlamaConfig, platform: str) -> LlamaConfig:
-        """The MoE settings `platform` (tpu, gpu, cpu; auto: not known yet) decides: dispatch auto
-        is gmm on TPU (megablox's grouped matmul) and ragged elsewhere; gmm is refused off TPU;
-        expert parallelism moves tokens by the ragged all-to-all where the platform has one."""
-        dispatch = config.moe_dispatch
-        if dispatch == "auto":
-            dispatch = "gmm" if platform == "tpu" else "ragged"
-        if config.moe_experts and dispatch == "gmm" and platform not in ("tpu", "auto"):
-            raise ConfigError("job.model.moe.dispatch", "gmm", f"megablox's grouped matmul is a TPU kernel, and "
-                              f"this run's platform is {platform}.",
-                              "use auto (gmm on TPU, ragged elsewhere) or ragged.")
-        kernel = "gmm" if dispatch == "gmm" else "blocked" if platform == "cpu" else "ragged_dot"
-        return dataclasses.replace(config, moe_dispatch=dispatch, moe_kernel=kernel,
-                                   moe_native_exchange=platform in ("tpu", "gpu"))
-
-    @staticmethod
-    def describe(config: LlamaConfig, mesh_shape: Any) -> str:
-        """How the experts run on a mesh (mode=compile's report); empty for a dense model."""
-        if not config.moe_experts:
-            return ""
-        ways = int(dict(mesh_shape).get("expert", 1))
-        kernel = {"ragged_dot": "jax.lax.ragged_dot", "gmm": "megablox gmm", "blocked": "blocked matmuls"}.get(
-            config.moe_kernel, config.moe_kernel)
-        how = {"capacity": f"capacity dispatch (factor {config.moe_capacity_factor:g})",
-               "dense": "dense dispatch (every expert on every token)"}.get(
-            config.moe_dispatch, f"{config.moe_dispatch} dispatch ({kernel})")
-        moved = "" if ways == 1 or config.moe_dispatch == "dense" else ", tokens to them and back by " + (
-            "all-to-all" if config.moe_dispatch == "capacity" else
-            "ragged all-to-all" if config.moe_native_exchange else "padded all-to-all")
-        return (f"experts: {config.moe_experts} per layer, {config.moe_top_k} per token, "
-                f"{config.moe_experts // ways} on each of mesh.expert={ways} shards{moved}; {how}")
+    # what the platform decides of the experts, and how they run on a mesh (mode=compile's report)
+    for_platform = staticmethod(moe_for_platform)
+    describe = staticmethod(describe_experts)
 
     @staticmethod
     def module(config: LlamaConfig) -> Llama:
