@@ -121,7 +121,7 @@ def test_allowed_values_come_from_the_checks_and_the_registries(model: reference
     assert keys["job.model.remat"].allowed == "`auto`, `none`, `full`, `dots`, `offload`"  # a _check_rules tuple
     assert keys["optimizer.lr"].allowed == "> 0" and keys["data.prefetch"].allowed == "≥ 0"
     assert keys["job.model.dropout"].allowed == "in [0, 1)"  # a predicate whose problem says "it must be"
-    assert keys["mode"].allowed == "`train`, `eval`, `compile`"  # _one_of in validate
+    assert keys["mode"].allowed == "`train`, `eval`, `compile`, `plan`"  # _one_of in validate
     assert keys["eval.evaluators[].every"].allowed == "≥ 0"  # f"eval.evaluators[{i}]" rules
     assert "`adamw`" in keys["optimizer.name"].allowed and "import path" in keys["optimizer.name"].allowed
     assert "`heldout`" in keys["eval.evaluators[].name"].allowed

@@ -84,6 +84,16 @@ def test_run_dir_is_derived_from_identifying_overrides_only() -> None:
     (["optimizer.b2=1.5"], "optimizer.b2", ""),
     (["logging.wandb=maybe"], "logging.wandb", "offline"),
     (["checkpoint.keep=0"], "checkpoint.keep", "> 0"),
+    (["checkpoint.cadence=often"], "checkpoint.cadence", "fixed, auto"),
+    (["checkpoint.mtbf_hours=0"], "checkpoint.mtbf_hours", "> 0"),
+    (["checkpoint.auto_max_minutes=-1"], "checkpoint.auto_max_minutes", "> 0"),
+    (["checkpoint.local.host_loss_fraction=1.5"], "checkpoint.local.host_loss_fraction", "from 0 to 1"),
+    # auto's settings under the fixed cadence: nothing would read them
+    (["checkpoint.auto_max_minutes=30"], "checkpoint.auto_max_minutes", "add checkpoint.cadence=auto"),
+    (["checkpoint.local.host_loss_fraction=0.5"], "checkpoint.local.host_loss_fraction", "checkpoint.cadence=fixed"),
+    (["checkpoint.cadence=auto", "checkpoint.every_steps=0"], "checkpoint.cadence", "until it has measured a save"),
+    (["checkpoint.cadence=auto", "checkpoint.every_steps=10", "checkpoint.local.dir=/tmp/local",
+      "checkpoint.local.every_steps=20"], "checkpoint.cadence", "would never be measured"),
     (["eval.evaluators=[nonesuch]"], "eval.evaluators", "heldout"),
 ])
 def test_validation_errors_name_the_key(overrides: list[str], key: str, needle: str) -> None:
@@ -94,13 +104,20 @@ def test_validation_errors_name_the_key(overrides: list[str], key: str, needle: 
     assert "Fix:" in str(info.value)
 
 
+
+def test_autos_settings_are_accepted_with_the_auto_cadence() -> None:
+    spec = spec_for("checkpoint.cadence=auto", "checkpoint.auto_max_minutes=30",
+                    "checkpoint.local.host_loss_fraction=0.5")
+    assert spec.checkpoint.auto_max_minutes == 30 and spec.checkpoint.local.host_loss_fraction == 0.5
+
 # One bad value per section with rules: validate must reach every section's own check.
 BAD_VALUE = {"job": ("job.model.n_layers", 0), "train": ("train.steps", 0), "guard": ("guard.nonfinite", "maybe"),
              "debug": ("debug.norms_every", -1), "mesh": ("mesh.fsdp", 0), "pipeline": ("pipeline.schedule", "1f1b"),
              "data": ("data.num_threads", 0),
              "optimizer": ("optimizer.lr", 0.0), "schedule": ("schedule.final_lr_fraction", 2.0),
              "eval": ("eval.rows", 0), "checkpoint": ("checkpoint.keep", 0), "run": ("run.init_mode", "half"),
-             "logging": ("logging.progress", "loud"), "distributed": ("distributed.stop_check_every", 0)}
+             "logging": ("logging.progress", "loud"), "distributed": ("distributed.stop_check_every", 0),
+             "plan": ("plan.compiles", 0)}
 
 
 def with_value(section: Any, key: str, value: Any) -> Any:

@@ -7,13 +7,15 @@ collective on the others. This builds that one command and sends it to all worke
 
     python tools/launch_tpu.py run my-v4-32 --zone us-central2-b --image us-docker.pkg.dev/p/r/runner:tpu \\
         --run-dir gs://my-bucket/runs/gpt_small --env WANDB_API_KEY -- job=gpt_small topology=v4-32
-    python tools/launch_tpu.py stop my-v4-32 --zone us-central2-b     # SIGTERM: save, exit 75
+    python tools/launch_tpu.py stop my-v4-32 --zone us-central2-b     # SIGINT: save, exit 76
 
-`--restart N` relaunches the container on each worker, up to N times, when it exits 75 (runner stopped
-resumably: a SIGTERM, the watchdog, a bucket down) or 134 (aborted because another host died): every
-host's container ends when one fails, so all of them start again together and meet at the
-coordinator; runner resumes from the newest checkpoint. `--dry-run` prints the gcloud commands
-(secret values masked) and runs nothing.
+`--restart N` relaunches the container on each worker, up to N times, by its exit code alone
+(runner/exits.py, `restartable`): on 75 (runner stopped to be resumed: a SIGTERM, the watchdog, a
+bucket down) and on a crash (1, or 128 + a signal: 134 when another host died, 137 when killed),
+never on 0, 2 (a setting), 3 (does not fit), 65 (a halt: the guard, a hook), 76 (a stop you asked
+for: `stop`) or docker's own failures (125-127). Every host's container ends when one fails, so all
+of them start again together and meet at the coordinator; runner resumes from the newest
+checkpoint. `--dry-run` prints the gcloud commands (secret values masked) and runs nothing.
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
-USAGE_EXIT_CODE = 2
-RESTARTED_ON = (75, 134)  # runner's resumable stop; SIGABRT (128 + 6) when the coordinator saw a host die
+# runner's exit codes, from their one table (read by its path: this tool needs none of runner's dependencies)
+EXITS = runpy.run_path(str(Path(__file__).resolve().parent.parent / "runner" / "exits.py"))
+USAGE_EXIT_CODE = EXITS["USAGE_EXIT_CODE"]
+DOCKER_OWN = (125, 126, 127)  # docker run could not start the container (a daemon error, the command not runnable)
+# Ends a --restart loop: what no supervisor restarts (runner/exits.py NEVER_RESTARTED), and docker's own failures
+NOT_RESTARTED = tuple(sorted({*EXITS["NEVER_RESTARTED"], *DOCKER_OWN}))
 # Environment variables whose values are never shown: their names contain one of these.
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -144,20 +152,25 @@ def run_remote(args: argparse.Namespace, env: Sequence[EnvValue], shown: bool) -
     if not args.restart:
         steps.append(" ".join(run))
         return " && ".join(steps)
-    # The same container again while it exits 75 or 134, at most --restart times; any other code is final.
-    retried = " || ".join(f"[ $code = {c} ]" for c in RESTARTED_ON)
+    # The same container again, at most --restart times, unless its code is one no rerun changes.
+    final = "|".join(str(c) for c in NOT_RESTARTED)
     loop = (f"attempt=1; while :; do {{ {docker(args)} rm {q(args.container)} >/dev/null 2>&1 || true; }}; "
-            f"{' '.join(run)}; code=$?; if [ $attempt -le {args.restart} ] && {{ {retried}; }}; then "
+            f"{' '.join(run)}; code=$?; case $code in {final}) exit $code;; esac; "
+            f"if [ $attempt -gt {args.restart} ]; then exit $code; fi; "
             f"echo \"launch_tpu: the container exited $code; relaunch $attempt of {args.restart}\" >&2; "
-            "attempt=$((attempt + 1)); else exit $code; fi; done")
+            "attempt=$((attempt + 1)); done")
     return " && ".join([*steps[:-1], loop])
 
 
 def stop_remote(args: argparse.Namespace) -> str:
-    """SIGTERM first (runner saves on every host and exits 75), SIGKILL after the grace period."""
+    """SIGINT first (a stop you ask for: runner saves on every host and exits 76, which no --restart
+    loop relaunches), SIGKILL after the grace period. (`docker kill --signal` and `docker wait`: any
+    docker version; `docker stop --signal` needs 23.0.)"""
+    name = shlex.quote(args.container)
     if args.now:
-        return f"{docker(args)} kill {shlex.quote(args.container)}"
-    return f"{docker(args)} stop --time {args.grace_s} {shlex.quote(args.container)}"
+        return f"{docker(args)} kill {name}"
+    return (f"{docker(args)} kill --signal INT {name} >/dev/null && {{ timeout {args.grace_s} {docker(args)} wait "
+            f"{name} >/dev/null || {docker(args)} kill {name} >/dev/null; }}")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -194,14 +207,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     run.add_argument("--no-pull", action="store_true", help="use the image already on the workers")
     run.add_argument("--detach", action="store_true", help="return once started; `docker logs` shows the run")
     run.add_argument("--restart", type=int, default=0, metavar="N",
-                     help="relaunch the container up to N times when it exits 75 or 134 (resumable)")
+                     help="relaunch the container up to N times when its code says a rerun may fix it (75, "
+                          "a crash); never after 0, 2, 3, 65 or 76")
     run.add_argument("overrides", nargs="*", help="runner overrides, after --: job=gpt_small topology=v4-32")
 
-    stop = sub.add_parser("stop", help="stop the container on every worker (SIGTERM: the run saves)")
+    stop = sub.add_parser("stop", help="stop the container on every worker (SIGINT: the run saves, exits 76)")
     common(stop)
     stop.add_argument("--grace-s", type=int, default=300,
-                      help="seconds between SIGTERM and SIGKILL: time for the agreed stop and the final save")
-    stop.add_argument("--now", action="store_true", help="SIGKILL at once (no save)")
+                      help="seconds between SIGINT and SIGKILL: time for the agreed stop and the final save")
+    stop.add_argument("--now", action="store_true",
+                      help="SIGKILL at once (no save; a --restart loop relaunches it: 137 is a crash)")
     return p.parse_args(argv)
 
 

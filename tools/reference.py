@@ -666,13 +666,18 @@ def exit_raisers() -> dict[str, list[str]]:
 
 
 OTHER_EXITS = (
-    "1 also ends a sweep (`-m`) in which a member failed, after its summary table; and an uncaught exception "
-    "ends a run with Python's own 1 and a traceback (a bug in runner or in your code).",
+    "A sweep (`-m`) ends, after its summary table, with its members' codes (`runner.exits.of_members`): one a "
+    "rerun may fix first (rerunning the sweep skips its finished members), else the first other failure.",
     "134 (128 + SIGABRT, in the shell): a process aborted by JAX's coordination service because another "
-    "process of the run died or stopped answering (`distributed.heartbeat_timeout_s`). Resumable: "
-    "`tools/launch_tpu.py --restart` relaunches on it, and Ray's launcher restarts the group.",
-    "A process killed by a signal reports 128 + its number in the shell (137: SIGKILL). SIGTERM and SIGINT "
-    "are caught while training: the run saves and exits 75.",
+    "process of the run died or stopped answering (`distributed.heartbeat_timeout_s`): a crash, restarted.",
+    "A process killed by a signal reports 128 + its number in the shell (137: SIGKILL): a crash, restarted. "
+    "SIGTERM and SIGINT are caught while training: the run saves and exits 75 (SIGTERM) or 76 (SIGINT, "
+    "Ctrl-C); Ctrl-C before training starts is 130, a stop you asked for too.",
+    "Ray's launcher, `tools/launch_tpu.py --restart` and a loop around a SLURM submission decide by "
+    "`runner.exits.restartable` alone ([What restarts what](../launching.md#what-restarts-what)). SkyPilot "
+    "(`tools/sky_task.py`) recovers 75 without limit and counts every other nonzero code against one budget "
+    "(`max_restarts_on_errors: 3`): a repeating crash ends the job, but 2, 3, 65 and 76 are relaunched too, up "
+    "to 3 times, since SkyPilot cannot tell them apart there.",
     "`python -m runner.data.prepare`, `runner plot` and `python -m runner.export` exit 0, or after one "
     "paragraph with the error's code (2 for a usage error); an interrupted `python -m runner.data.prepare` "
     "exits 130 and resumes when run again.",
@@ -685,15 +690,18 @@ def exit_codes_page() -> str:
     comments = constant_comments(Path(runner.exits.__file__ or ""), "_EXIT_CODE")
     raisers = exit_raisers()
     rows = [("0", "", "finished: the run reached train.steps (or a relaunch found it finished), mode=eval "
-                      "evaluated, mode=compile found that the step fits", "")]
+                      "evaluated, mode=compile found that the step fits", "no", "")]
     for name in sorted(comments, key=lambda n: (getattr(runner.exits, n), n)):
         raised = ", ".join(code(c) for c in raisers.get(name, [])) + (" and subclasses" if name in raisers else "")
-        rows.append((str(getattr(runner.exits, name)), code(name), comments[name], raised))
+        value = getattr(runner.exits, name)
+        rows.append((str(value), code(name), comments[name], "yes" if runner.exits.restartable(value) else "no",
+                     raised))
     out = ["# Exit codes", "", NOTICE, "",
            "What `python -m runner` (and `runner`) exits with. The constants are in `runner/exits.py`; a "
-           "supervisor (SLURM, Ray, a shell loop) can tell from the code alone whether to run the same "
-           "command again.", "",
-           table(("Code", "Constant", "Meaning", "Raised as"), rows), "", "## Other exits", ""]
+           "supervisor (Ray's launcher, SkyPilot, `tools/launch_tpu.py --restart`, SLURM, a shell loop) tells from "
+           "the code alone whether to run the same command again: *Restarted* says what every one of them does "
+           "(`runner.exits.restartable`), SkyPilot as far as its settings allow (below).", "",
+           table(("Code", "Constant", "Meaning", "Restarted", "Raised as"), rows), "", "## Other exits", ""]
     out += [f"- {cell(text)}" for text in OTHER_EXITS]
     return "\n".join(out) + "\n"
 
@@ -755,7 +763,7 @@ HYDRA_NOTES = {
     "help": "its page lists the config groups and the keys used most (conf/config.yaml's hydra.help)",
     "cfg": "`--cfg job` and `--cfg all` first check the values as a run's are checked, and print them resolved",
     "multirun": "a sweep: every member's settings are checked before any member trains; a table of the members "
-                "at the end; exit 1 if one failed",
+                "at the end; its exit code is its members' ([exit codes](exit-codes.md))",
     "shell_completion": "bash and zsh: `eval \"$(runner -sc install=bash)\"`; fish: the output of "
                         "`runner -sc install=fish`, sourced",
     "run": "the default: one run",

@@ -12,9 +12,16 @@ mistake there costs a cluster. SkyPilot does the relaunching; runner's restore d
 What it writes: `setup` installs runner on every host (`bash tools/venv.sh tpu|cuda`); `run` is the
 runner command (on a TPU pod SkyPilot runs it on every TPU VM host and JAX finds its peers; on GPU
 nodes the coordinator is the first of SKYPILOT_NODE_IPS, the process id SKYPILOT_NODE_RANK);
-`job_recovery` retries preemptions (always, SkyPilot's own) and exit 75 (runner stopped resumably:
-SIGTERM, the watchdog, a bucket down) and nothing else (`max_restarts_on_errors: 0`). `--check`
-loads the written task with SkyPilot's own parser (from .venv-sky).
+`job_recovery` retries preemptions (always, SkyPilot's own) and decides the rest by the exit code
+(runner/exits.py) as far as SkyPilot can: 75 (runner stopped early after saving: SIGTERM, the
+watchdog, a bucket down) is in `recover_on_exit_codes`, recovered every time, without limit; every
+other nonzero code counts against one budget, `max_restarts_on_errors: 3` over the job's life, so a
+crash (1, 134 when another host died, 137 killed, ...) is retried at most 3 times and a crash that
+repeats on every launch ends the job. SkyPilot cannot tell the other codes apart there: a halt (65),
+a usage error (2) or a run that does not fit (3) is relaunched too, up to 3 times, and ends the same
+way each time; a stop you asked for (76) is relaunched as well and trains on (stop a managed job with
+`sky jobs cancel`). Ray's launcher and launch_tpu --restart never restart them. `--check` loads the
+written task with SkyPilot's own parser (from .venv-sky).
 """
 
 from __future__ import annotations
@@ -22,15 +29,21 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
-USAGE_EXIT_CODE = 2
-PREEMPTED_EXIT_CODE = 75
-COORDINATOR_PORT = 8476
 ROOT = Path(__file__).resolve().parent.parent
+# runner's exit codes, from their one table (read by its path: this tool needs none of runner's dependencies)
+EXITS = runpy.run_path(str(ROOT / "runner" / "exits.py"))
+USAGE_EXIT_CODE = EXITS["USAGE_EXIT_CODE"]
+# recovered without limit: runner's stop to be resumed (a crash is retried from the bounded budget below)
+RECOVERED = (EXITS["PREEMPTED_EXIT_CODE"],)
+# SkyPilot's budget for every other nonzero code, over the job's life: it cannot tell a crash from a halt there
+MAX_RESTARTS_ON_ERRORS = 3
+COORDINATOR_PORT = 8476
 _TPU = re.compile(r"^tpu-(v2|v3|v4|v5p|v5litepod|v5e|v6e|v7x)-(\d+)$")
 _GPU = re.compile(r"^([A-Za-z0-9-]+):(\d+)$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -99,9 +112,10 @@ resources:
   accelerators: {args.accelerators}{accelerator_args}
   use_spot: {str(args.spot).lower()}
   job_recovery:
-    # preemptions are always recovered (SkyPilot's own); of the failures, only runner's resumable stop
-    max_restarts_on_errors: 0
-    recover_on_exit_codes: [{PREEMPTED_EXIT_CODE}]
+    # preemptions are always recovered (SkyPilot's own); 75 (stopped early after saving: resume) every time;
+    # any other nonzero code (a crash, but also 2, 3, 65, 76: SkyPilot cannot tell them apart) at most 3 times
+    max_restarts_on_errors: {MAX_RESTARTS_ON_ERRORS}
+    recover_on_exit_codes: [{", ".join(str(c) for c in RECOVERED)}]
 envs:
   PYTHONUNBUFFERED: "1"
 {envs}
@@ -125,8 +139,9 @@ def check_with_skypilot(path: Path, sky_python: str) -> str:
         "    task.validate(skip_file_mounts=True, skip_workdir=True)\n"
         "print(f'{task.name}: {task.num_nodes} node(s), {resources.accelerators}, '\n"
         "      f'recovery {resources.job_recovery}')\n")
+    home = os.environ.get("SKY_CHECK_HOME") or os.environ.get("HOME", "/tmp")
     result = subprocess.run([sky_python, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HOME": os.environ.get("SKY_CHECK_HOME") or os.environ.get("HOME", "/tmp")})
+                            env={**os.environ, "HOME": home})
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         fail(f"SkyPilot refuses {path}: {lines[-1] if lines else 'no reason given'}")

@@ -1,5 +1,6 @@
-"""hydra/launcher=ray (conf/hydra/launcher/ray.yaml): Hydra loads launchers only from the
-hydra_plugins package, so the class lives here and the work in runner.main.ray_launcher.
+"""hydra/launcher=ray (conf/hydra/launcher/ray.yaml; its typed settings: config.py): Hydra loads
+launchers only from the hydra_plugins package, so the class lives here and the work in
+runner.main.ray_launcher.
 
 A sweep's members run one after another from this process, exactly as with Hydra's basic launcher
 (the summary, Optuna's trials and the objective are today's), and each member's training runs on

@@ -86,6 +86,9 @@ class SavePolicy:
                  agree: Optional[Callable[[bool], bool]] = None, agree_every: int = 1,
                  warn: Callable[[str], None] = log.warning) -> None:
         self.spec, self.clock, self.agree, self.agree_every, self.warn = spec, clock, agree, agree_every, warn
+        # the intervals in force: the spec's, until checkpoint.cadence=auto chooses (runner.train.checkpointing),
+        # which also keeps every keep_every-th step (`also_every`), since its steps need not fall on them
+        self.every_steps, self.every_minutes, self.also_every = spec.every_steps, spec.every_minutes, 0
         self.last_save_time = clock()
         self.best: dict[str, Any] = {}  # best_metric's best value so far and its step (in every meta)
         self._measured: Optional[tuple[int, float]] = None  # (step, best_metric) of the latest evaluation
@@ -106,11 +109,11 @@ class SavePolicy:
         return self._decided[1]
 
     def _interval_due(self, step: int) -> bool:
-        if self.spec.every_steps and step % self.spec.every_steps == 0:
+        if any(every and step % every == 0 for every in (self.every_steps, self.also_every)):
             return True
-        if not self.spec.every_minutes:
+        if not self.every_minutes:
             return False
-        timely = self.clock() - self.last_save_time >= self.spec.every_minutes * 60
+        timely = self.clock() - self.last_save_time >= self.every_minutes * 60
         if self.agree is None:
             return timely
         return step % self.agree_every == 0 and self.agree(timely)

@@ -1,7 +1,8 @@
 """Command line: compose conf/ -> ExecutionSpec -> distributed init -> job class -> run.
 
 User mistakes (bad overrides, invalid values, missing data) end in one clear paragraph and
-exit code 2, without a traceback. A run stopped by SIGTERM/SIGINT saves and exits 75.
+exit code 2, without a traceback. A run stopped by SIGTERM saves and exits 75, one stopped by SIGINT
+or the stop file 76 (runner.exits: every code, and which a supervisor restarts).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 
 from runner.checkpoint.files import atomic_write
 from runner.errors import UserError
-from runner.exits import PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
+from runner.exits import CRASHED_EXIT_CODE, PREEMPTED_EXIT_CODE, STOPPED_ON_REQUEST_EXIT_CODE, USAGE_EXIT_CODE
 
 CONF_DIR = Path(os.environ.get("RUNNER_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 CONFIG_NAME = "config"
@@ -34,7 +35,7 @@ def skip_absent_tpu(argv: Sequence[str]) -> None:
     """With libtpu installed (the `tpu` extra), JAX probes for a TPU on every start and prints a
     screen of warnings where there is none. Without TPU device nodes, and unless the user chose
     platforms or asked to compile for a TPU, use the GPU if present, else the CPU."""
-    if "JAX_PLATFORMS" in os.environ or "mode=compile" in argv or _tpu_present():
+    if "JAX_PLATFORMS" in os.environ or "mode=compile" in argv or "mode=plan" in argv or _tpu_present():
         return
     os.environ["JAX_PLATFORMS"] = "cuda,cpu"
 
@@ -166,9 +167,11 @@ def _composition_error(err: Exception) -> str:
             problem, fix = retired(key)  # type: ignore[misc]
             return f"Invalid config `{key.lstrip('+~')}`: {problem} Fix: {fix}"
     if unknown:
+        group = unknown.group(1).startswith("hydra.launcher.")  # a launcher's typed settings (hydra/launcher=...)
+        shows = ("`python -m runner --cfg hydra -p hydra.launcher hydra/launcher=NAME` prints the launcher's keys "
+                 "with their values" if group else "`python -m runner --cfg job` prints every key with its value")
         return (f"Invalid config `{unknown.group(1)}`: runner has no setting of that name (every setting exists "
-                "already, so there is nothing to add with +). Fix: check its spelling and section: "
-                "`python -m runner --cfg job` prints every key with its value.")
+                f"already, so there is nothing to add with +). Fix: check its spelling and section: {shows}.")
     return (f"The command-line configuration is invalid: {message}. Fix: check the key and value; "
             "`python -m runner --cfg job` prints every key with its current value.")
 
@@ -234,15 +237,29 @@ def write_resolved_spec(spec: Any) -> None:
                         "Fix: choose a writable location with free space for run.dir.") from None
 
 
+def compile_only(spec: Any) -> int:
+    """mode=compile (the train step for the topology) and mode=plan (each layout compiled in a process
+    of its own): their exit codes."""
+    from runner.train.job import JOBS
+
+    if spec.mode == "compile":
+        from runner.parallel.compile import run_compile
+
+        return run_compile(spec, JOBS.get(spec.job.trainer))
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.main.plan import run_plan
+
+    return run_plan(spec, list(HydraConfig.get().overrides.task), say=lambda line: print(line, flush=True))
+
+
 def execute(spec: Any, in_sweep: bool = False) -> None:
     """Run one validated spec in this process. A run halted by its guard or a hook exits with
     their paragraph; in a sweep (`in_sweep`) they are raised, for the sweep to record."""
     from runner.train.job import JOBS
 
-    if spec.mode == "compile":  # one process: no cluster to join, no devices to claim
-        from runner.parallel.compile import run_compile
-
-        code = run_compile(spec, JOBS.get(spec.job.trainer))
+    if spec.mode in ("compile", "plan"):  # one process: no cluster to join, no devices to claim
+        code = compile_only(spec)
         if code:
             sys.exit(code)
         return
@@ -347,12 +364,14 @@ def on_ray(spec: Any, overrides: list[str]) -> bool:
     this process. False for any other launcher; raises RayRunEnded for a run that did not finish."""
     from hydra.core.hydra_config import HydraConfig
 
-    launcher = HydraConfig.get().launcher
-    if not str(launcher.get("_target_", "")).endswith("runner_ray_launcher.ray_launcher.RayLauncher"):
-        return False
-    from runner.main.ray_launcher import RaySettings, run_on_ray
+    from hydra_plugins.runner_ray_launcher.config import TARGET
 
-    settings = RaySettings.from_hydra(launcher)
+    launcher = HydraConfig.get().launcher
+    if launcher.get("_target_") != TARGET:
+        return False
+    from runner.main.ray_launcher import run_on_ray, settings_from_hydra
+
+    settings = settings_from_hydra(launcher)
     assert settings is not None
     code, message = run_on_ray(spec, overrides, settings)
     if code:
@@ -377,8 +396,9 @@ class FailedObjective:
 def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
     """One member: train it, record it in the sweep's summary, and return its objective
     (run.objective) for the sweeper to optimize. A member that fails for any reason (its guard,
-    a hook, a crash, missing data) is recorded as failed with its reason, and the sweep goes on;
-    only a stop to be resumed (SIGTERM, exit 75) ends a local sweep."""
+    a hook, a crash, missing data) is recorded as failed with its reason and exit code, and the sweep
+    goes on; a stop to be resumed (SIGTERM, exit 75) ends a local sweep, and a stop you asked for
+    (the stop file, SIGINT: 76) any sweep."""
     import gc
     import traceback
 
@@ -394,7 +414,8 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
     goodput.mark_launch()  # each member is a launch of its own run
     hydra_cfg = HydraConfig.get()
     summary = SweepSummary(storage.path(storage.remote_of(hydra_cfg.sweep.dir)))
-    run_dir, status, message, objective = "", "finished", "", ""
+    run_dir, status, message, objective, code = "", "finished", "", "", 0
+    stops = {PREEMPTED_EXIT_CODE: "stopped (resumable)", STOPPED_ON_REQUEST_EXIT_CODE: "stopped (on request)"}
     try:
         spec = build_spec(cfg, overrides, sweep_root=str(summary.root))
         run_dir, objective = spec.run.dir, spec.run.objective
@@ -403,25 +424,28 @@ def run_sweep_member(cfg: Any, overrides: list[str]) -> float | FailedObjective:
             execute(spec, in_sweep=True)
         status = "skipped (already finished)" if already else "finished"
     except (UserError, HookError, TrainingHalted) as err:
-        status, message = "failed", " ".join(str(err).split())
+        status, message, code = "failed", " ".join(str(err).split()), err.exit_code
         print(f"error: {message}", file=sys.stderr, flush=True)
     except RayRunEnded as ended:  # a stop to resume does not end a sweep on Ray: the next member goes on
-        status = "stopped (resumable)" if ended.code == PREEMPTED_EXIT_CODE else "failed"
+        status, code = stops.get(ended.code, "failed"), ended.code
         message = f"exit code {ended.code}: {' '.join(ended.message.split())}"
         print(f"error: {ended.message}", file=sys.stderr, flush=True)
+        if code == STOPPED_ON_REQUEST_EXIT_CODE:  # you asked: the sweep ends here; rerun it to go on
+            summary.record(hydra_cfg.job.num, overrides, run_dir, status, message, exit_code=code)
+            raise SystemExit(code) from None
     except SystemExit as stop:
-        if stop.code == PREEMPTED_EXIT_CODE and _in_sweep_process:  # a stop ends the local sweep; rerun resumes
-            summary.record(hydra_cfg.job.num, overrides, run_dir, f"stopped (exit {stop.code})")
+        code = stop.code if isinstance(stop.code, int) else CRASHED_EXIT_CODE
+        if code in stops and _in_sweep_process:  # a stop ends the local sweep; rerun resumes
+            summary.record(hydra_cfg.job.num, overrides, run_dir, f"stopped (exit {code})", exit_code=code)
             raise
-        status = "stopped (resumable)" if stop.code == PREEMPTED_EXIT_CODE else "failed"
-        message = f"exit code {stop.code}"
+        status, message = stops.get(code, "failed"), f"exit code {code}"
     except Exception as err:  # one member's crash must not stop the others
-        status, message = "failed", f"{type(err).__name__}: {err}"
+        status, message, code = "failed", f"{type(err).__name__}: {err}", CRASHED_EXIT_CODE
         traceback.print_exc()
     finally:
         jax.clear_caches()  # compiled programs of this member
         gc.collect()
-    entry = summary.record(hydra_cfg.job.num, overrides, run_dir, status, message, objective)
+    entry = summary.record(hydra_cfg.job.num, overrides, run_dir, status, message, objective, code)
     value = entry.get("objective")
     if value is None:
         return FailedObjective(message or f"{entry.get('objective_name') or 'the objective'} was never logged")
@@ -512,5 +536,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base=None)(task)()
     if summary is not None and summary.members:
         print(summary.table(), flush=True)
-        if summary.failed:
-            sys.exit(1)
+        if summary.exit_code:  # its members' (runner.exits.of_members): a code a rerun may fix first
+            sys.exit(summary.exit_code)

@@ -8,17 +8,22 @@ process (a fresh process each attempt: jax.distributed starts once per process, 
 coordinator port), and runner's restore resumes from the newest checkpoint. Ray's own checkpoints
 are not used.
 
-What a rerun cannot fix is not retried: exit 2 (a setting), 1 (the numerical guard, a hook), 3
-(does not fit), and a stop the user asked for (the stop file). A process that crashed with a
-traceback, was killed, lost its host, or exited 75 (a preemption's SIGTERM, the watchdog, a bucket
-down) is. The driver prints each attempt, why it ended and the step it resumed from.
+Whether an attempt is retried is decided by the runner processes' exit codes alone
+(runner.exits.restartable), never by what they printed: an end a rerun cannot change is not retried
+(2 a setting, 3 does not fit, 65 a halt: the numerical guard or a hook, 76 a stop you asked for);
+75 (a preemption's SIGTERM, the watchdog, a bucket down), a crash (1, a signal) and a host lost
+are. Where each attempt took the run up, and what starting it cost, come from the run directory
+(launches.jsonl, runner.observability.launches), which process 0 writes when its loop starts. The
+driver prints each attempt, why it ended, and that line. The settings are typed
+(hydra_plugins/runner_ray_launcher/config.py): OmegaConf refuses an unknown key or a mistyped value
+when the command line is composed; `check_settings` says what types cannot (ranges).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,106 +32,77 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+from hydra_plugins.runner_ray_launcher.config import TARGET, RayLauncherConf, schema
+from runner.checkpoint import storage
 from runner.errors import UserError, first_line
-from runner.exits import DOES_NOT_FIT_EXIT_CODE, HALTED_EXIT_CODE, PREEMPTED_EXIT_CODE, USAGE_EXIT_CODE
+from runner.exits import PREEMPTED_EXIT_CODE, restartable
 from runner.main.ray_logs import HOOK as ONE_LINE_WARNINGS
 from runner.main.ray_logs import one_line_warnings
 
-TARGET = "hydra_plugins.runner_ray_launcher.ray_launcher.RayLauncher"
-NEVER_RETRIED = (USAGE_EXIT_CODE, HALTED_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE)
-STOPPED_ON_REQUEST = "stopped by the stop file"  # runner's own line (runner.train.trainer.conclude)
-RESUMED = re.compile(r"resumed from step (\d+)")
+RaySettings = RayLauncherConf  # hydra.launcher under hydra/launcher=ray, typed
 TAIL_LINES = 60
+LAUNCH_POLL_S = (1.0, 5.0)  # how often rank 0 looks for its launch's line in launches.jsonl: local, gs://
 # runner's TPU generations as Ray names them (ray.util.accelerators)
 RAY_TPU_TYPES = {"v2": "TPU-V2", "v3": "TPU-V3", "v4": "TPU-V4", "v5p": "TPU-V5P", "v5e": "TPU-V5LITEPOD",
                  "v6e": "TPU-V6E", "tpu7x": "TPU-V7X"}
 
 
-@dataclass(frozen=True)
-class RaySettings:
-    """conf/hydra/launcher/ray.yaml."""
+def settings_from_hydra(launcher: Any) -> Optional[RaySettings]:
+    """The settings when hydra.launcher is runner's Ray launcher (else None), through its typed
+    schema: composing has checked them already, save a key added with `+`, which OmegaConf refuses
+    here."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    address: str = "local"
-    hosts: int = 0
-    cpus_per_host: float = 1.0
-    gpus_per_host: int = 0
-    max_restarts: int = 3
-    object_store_mb: int = 256
-    env: Mapping[str, str] = field(default_factory=dict)
-    elastic: bool = False  # go on with fewer hosts (at least min_hosts) when some cannot be had; grow back later
-    min_hosts: int = 1
-    resize_check_s: float = 60.0  # elastic: how often Ray looks for hosts to grow back to
-    stop_grace_s: float = 120.0  # a healthy group that Ray stops (a resize): time for runner's save and exit 75
+    if launcher is None or launcher.get("_target_") != TARGET:
+        return None
+    values = OmegaConf.to_container(launcher, resolve=True) if OmegaConf.is_config(launcher) else dict(launcher)
+    try:
+        settings = OmegaConf.to_object(OmegaConf.merge(schema(), values))
+    except OmegaConfBaseException as err:
+        key = f"hydra.launcher.{err.full_key}" if getattr(err, "full_key", None) else "hydra.launcher"
+        raise UserError(f"Invalid config `{key}`: {first_line(err, 300)}. Fix: use the Ray launcher's settings "
+                        "as hydra_plugins/runner_ray_launcher/config.py declares them (`python -m runner --cfg hydra "
+                        "-p hydra.launcher hydra/launcher=ray` prints them).") from None
+    settings.env = {str(k): str(v) for k, v in (settings.env or {}).items()}
+    check_settings(settings)
+    return settings
 
-    @classmethod
-    def from_hydra(cls, launcher: Any) -> Optional["RaySettings"]:
-        """The settings when hydra.launcher is runner's Ray launcher, else None."""
-        if launcher is None or launcher.get("_target_") != TARGET:
-            return None
-        known = {f for f in cls.__dataclass_fields__}
-        values = {k: v for k, v in launcher.items() if k != "_target_"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise UserError(f"hydra.launcher.{unknown[0]}: the Ray launcher has no setting of that name. Fix: use "
-                            f"{', '.join(f'hydra.launcher.{k}' for k in sorted(known))}.")
-        env = values.get("env")
-        if env is not None and not hasattr(env, "items"):
-            raise UserError(f"Invalid config `hydra.launcher.env={env!r}`: it must be a mapping of variable names to "
-                            'values. Fix: hydra.launcher.env={NAME: "value", ...} (or +hydra.launcher.env.NAME=value).')
-        values["env"] = {str(k): str(v) for k, v in (env or {}).items()}
-        kinds = {"address": (str, "a string: local, auto or HOST:PORT"), "hosts": (int, "a whole number"),
-                 "cpus_per_host": ((int, float), "a number"), "gpus_per_host": (int, "a whole number"),
-                 "max_restarts": (int, "a whole number"), "object_store_mb": (int, "a whole number"),
-                 "elastic": (bool, "true or false"), "min_hosts": (int, "a whole number"),
-                 "resize_check_s": ((int, float), "a number of seconds"),
-                 "stop_grace_s": ((int, float), "a number of seconds")}
-        for key, (kind, words) in kinds.items():
-            value = values.get(key)
-            mistyped = not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
-            if key in values and mistyped:
-                raise UserError(f"Invalid config `hydra.launcher.{key}={values[key]!r}`: it must be {words}. Fix: "
-                                f"set hydra.launcher.{key} to {words} (conf/hydra/launcher/ray.yaml says what each "
-                                "setting means).")
-        settings = cls(**values)
-        settings.check()
-        return settings
 
-    def check(self) -> None:
-        rules = (("hosts", self.hosts >= 0, "0 (the topology's hosts) or more"),
-                 ("cpus_per_host", self.cpus_per_host >= 0, ">= 0"),
-                 ("gpus_per_host", self.gpus_per_host >= 0, ">= 0"),
-                 ("max_restarts", self.max_restarts >= -1, "-1 (no limit) or more"),
-                 ("object_store_mb", self.object_store_mb >= 80, "at least 80 (Ray's minimum)"),
-                 ("min_hosts", self.min_hosts >= 1, "1 or more"),
-                 ("resize_check_s", self.resize_check_s > 0, "> 0"),
-                 ("stop_grace_s", self.stop_grace_s >= 0, ">= 0"))
-        for key, ok, bound in rules:
-            if not ok:
-                raise UserError(f"Invalid config `hydra.launcher.{key}={getattr(self, key)!r}`: it must be {bound}. "
-                                f"Fix: set hydra.launcher.{key} to {bound}.")
+def check_settings(settings: RaySettings) -> None:
+    """What the types cannot say: each setting's range."""
+    rules = (("hosts", settings.hosts >= 0, "0 (the topology's hosts) or more"),
+             ("cpus_per_host", settings.cpus_per_host >= 0, ">= 0"),
+             ("gpus_per_host", settings.gpus_per_host >= 0, ">= 0"),
+             ("max_restarts", settings.max_restarts >= -1, "-1 (no limit) or more"),
+             ("object_store_mb", settings.object_store_mb >= 80, "at least 80 (Ray's minimum)"),
+             ("min_hosts", settings.min_hosts >= 1, "1 or more"),
+             ("resize_check_s", settings.resize_check_s > 0, "> 0"),
+             ("stop_grace_s", settings.stop_grace_s >= 0, ">= 0"))
+    for key, ok, bound in rules:
+        if not ok:
+            raise UserError(f"Invalid config `hydra.launcher.{key}={getattr(settings, key)!r}`: it must be {bound}. "
+                            f"Fix: set hydra.launcher.{key} to {bound}.")
 
 
 class RunnerExit(Exception):
     """One worker's runner process ended with a non-zero code (raised in the worker; Ray hands it
     to the failure policy and the driver)."""
 
-    def __init__(self, rank: int, code: int, tail: str, stopped_on_request: bool = False) -> None:
-        self.rank, self.code, self.tail, self.stopped_on_request = rank, code, tail, stopped_on_request
+    def __init__(self, rank: int, code: int, tail: str) -> None:
+        self.rank, self.code, self.tail = rank, code, tail
         super().__init__(f"process {rank} exited {describe_code(code)}")
 
     def __reduce__(self) -> Any:
-        return RunnerExit, (self.rank, self.code, self.tail, self.stopped_on_request)
+        return RunnerExit, (self.rank, self.code, self.tail)
 
     @property
     def retryable(self) -> bool:
-        if self.stopped_on_request or self.code in (USAGE_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE):
-            return False
-        if self.code == HALTED_EXIT_CODE:  # a guard or a hook said so; an uncaught crash is retried
-            return "Traceback (most recent call last)" in self.tail
-        return True
+        """By the code alone (runner.exits): 75 and a crash are; a setting, does not fit, a halt and a
+        stop you asked for are not."""
+        return restartable(self.code)
 
     @property
     def paragraph(self) -> str:
@@ -267,6 +243,7 @@ def run_on_ray(spec: Any, overrides: Sequence[str], settings: RaySettings,
         f"({settings.address} cluster; restarts: {limit}{elastic})")
     config = {"overrides": worker_overrides(spec, overrides), "cwd": os.getcwd(), "env": dict(settings.env),
               "python": sys.executable, "book": book, "hosts": hosts,
+              "run_dir": str(storage.absolute(spec.run.dir)),
               "accumulate_steps": spec.train.accumulate_steps, "batch_size": spec.train.batch_size}
     code, message = fit(make_trainer(settings, scaling_kwargs, config, book), EventPrinter(ray, book, say))
     try:
@@ -465,9 +442,6 @@ class AttemptBook:
     def note(self, text: str) -> None:
         self.events.append(text)
 
-    def resumed(self, attempt: int, step: int) -> None:
-        self.events.append(f"attempt {attempt}: resumed from step {step}")
-
     def ended(self, failures: dict[int, str]) -> None:
         reasons = "; ".join(failures.values())
         self.events.append(f"attempt {self.attempts} ended: {reasons}")
@@ -582,23 +556,78 @@ def run_worker(config: dict[str, Any]) -> None:
             book.note.remote(f"attempt {attempt}: elastic: {world} of {config['hosts']} hosts, the mesh's data axis "
                              f"shrinks; train.accumulate_steps {config['accumulate_steps']} -> {accumulate} keeps the "
                              f"global batch of {config['batch_size']}")
+    # process 0 of the attempt writes its launch's line in the run directory: rank 0 passes it on
+    watcher = LaunchWatcher(config["run_dir"], lambda line: book.note.remote(launch_event(attempt, line))) \
+        if rank == 0 else None
     global _running
     proc = _running = subprocess.Popen([config["python"], "-m", "runner", *overrides], cwd=config["cwd"], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                        preexec_fn=_die_with_parent)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    reported = False
     assert proc.stdout is not None
     for line in proc.stdout:
         print(line, end="", flush=True)
         tail.append(line)
-        match = RESUMED.search(line) if rank == 0 and not reported else None
-        if match:
-            book.resumed.remote(attempt, int(match.group(1)))
-            reported = True
     code = proc.wait()
+    if watcher is not None:
+        watcher.stop()
     if code != 0:
         _no_traceback_for_runner_exits()
-        text = "".join(tail)
-        asked = code == PREEMPTED_EXIT_CODE and STOPPED_ON_REQUEST in text
-        raise RunnerExit(rank, code, text, stopped_on_request=asked)
+        raise RunnerExit(rank, code, "".join(tail))
+
+
+def launch_event(attempt: int, line: Mapping[str, Any]) -> str:
+    """The driver's line for an attempt's record in launches.jsonl (runner.observability.launches)."""
+    costs = ", ".join(f"{c} {float(line.get(f'{c}_s') or 0.0):.1f} s" for c in ("startup", "restore", "compile"))
+    step, tier = line.get("restored_step"), line.get("tier") or ""
+    where = "training from the start" if step is None else f"resumed from step {step}"
+    return f"attempt {attempt}: {where} ({f'{tier} tier; ' if tier and step is not None else ''}{costs})"
+
+
+class LaunchWatcher:
+    """Rank 0's thread: the line its runner process adds to the run's launches.jsonl when its loop
+    starts (where it resumed, what starting cost), handed to `report` once. Lines there before this
+    attempt started are not its own; when the first read fails (a bucket that does not answer), the
+    lines written since the watcher started (by time: process 0 runs on this host) are."""
+
+    def __init__(self, run_dir: str, report: Callable[[dict[str, Any]], None],
+                 every_s: Optional[float] = None) -> None:
+        self.run_dir, self.report = run_dir, report
+        self.every_s = every_s if every_s is not None else LAUNCH_POLL_S[storage.is_remote(run_dir)]
+        self.since = time.time()  # this attempt's line is written after this
+        self.before = self._lines()  # None: not read yet (looked at again by the thread)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="runner-ray-launch", daemon=True)
+        self._thread.start()
+
+    def _lines(self) -> Optional[list[dict[str, Any]]]:
+        from runner.observability import launches
+
+        try:
+            return launches.read(self.run_dir)
+        except Exception:  # a bucket that does not answer now: looked at again later
+            return None
+
+    def look(self) -> bool:
+        """Whether this attempt's line is there (and was reported)."""
+        lines = self._lines()
+        if lines is None:
+            return False
+        if self.before is None:  # the first read failed: the lines older than this attempt (they come first)
+            self.before = list(itertools.takewhile(lambda line: float(line.get("time") or 0.0) < self.since, lines))
+        if len(lines) <= len(self.before):
+            return False
+        self.report(lines[len(self.before)])
+        return True
+
+    def _run(self) -> None:
+        while True:
+            ended = self._stop.wait(self.every_s)
+            if self.look() or ended:
+                return
+
+    def stop(self) -> None:
+        """The process ended: one last look, then the thread ends."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)

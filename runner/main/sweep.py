@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from runner.checkpoint import storage
 from runner.checkpoint.files import atomic_write_json, read_jsonl
+from runner.exits import CRASHED_EXIT_CODE, PREEMPTED_EXIT_CODE, of_members
 
 SUMMARY_FILE = "summary.json"
 
@@ -130,11 +132,13 @@ class SweepSummary:
     root: Any  # an epath.Path: local, or gs://
 
     def record(self, number: int, overrides: Sequence[str], run_dir: str, status: str,
-               message: str = "", objective_name: str = "") -> dict[str, Any]:
+               message: str = "", objective_name: str = "", exit_code: int = 0) -> dict[str, Any]:
         """Write this member's record (one file per member number and overrides: a sweeper's
-        later trials never replace earlier ones) and rebuild summary.json from all records."""
+        later trials never replace earlier ones) and rebuild summary.json from all records.
+        `exit_code`: the code the member's run would have exited with on its own (runner.exits)."""
         entry: dict[str, Any] = {"member": number, "overrides": list(overrides), "run_dir": run_dir,
-                                 "status": status, "metrics": last_metrics(storage.path(run_dir)) if run_dir else {}}
+                                 "status": status, "exit_code": exit_code,
+                                 "metrics": last_metrics(storage.path(run_dir)) if run_dir else {}}
         if run_dir:
             entry["objective_name"], value = objective(storage.path(run_dir), objective_name)
             entry["objective"] = None if status == "failed" or math.isnan(value) else value  # JSON has no NaN
@@ -157,6 +161,14 @@ class SweepSummary:
     def failed(self) -> list[dict[str, Any]]:
         return [m for m in self.members if m["status"] == "failed"]
 
+    @property
+    def exit_code(self) -> int:
+        """The sweep's exit code, from its members' (runner.exits.of_members): one a rerun may fix
+        first (a rerun skips the finished members), else the first other failure, else 0. (A record
+        written before members kept their code: 1 if it failed, 75 if it stopped; a local sweep's
+        "stopped (exit N)", N.)"""
+        return of_members(m["exit_code"] if "exit_code" in m else _old_code(m["status"]) for m in self.members)
+
     def table(self) -> str:
         members = self.members
         lines = [f"sweep {self.root}: {len(members)} members, {len(self.failed)} failed"]
@@ -172,6 +184,14 @@ class SweepSummary:
                 shown += f" ({reason[:157] + '...' if len(reason) > 160 else reason})"
             lines.append(f"  [{m['status']}] {' '.join(m['overrides']) or '(no overrides)'} {shown}".rstrip())
         return "\n".join(lines)
+
+
+def _old_code(status: str) -> int:
+    """A member's code from the status of a record written before members kept their code."""
+    stopped = re.fullmatch(r"stopped \(exit (\d+)\)", status)
+    if stopped:
+        return int(stopped.group(1))
+    return {"failed": CRASHED_EXIT_CODE, "stopped (resumable)": PREEMPTED_EXIT_CODE}.get(status, 0)
 
 
 def _write_json(path: Any, data: Any) -> None:

@@ -56,6 +56,9 @@ class Goodput:
     launches_before: int = 0
     recomputed_steps: int = 0
     local_tier_spared_steps: int = 0  # steps a local-tier restore saved over the durable tier's newest
+    # saves per category ("checkpoint", "checkpoint_local") over all launches, carried like the seconds: a
+    # save's blocking cost is the category's seconds over its count (checkpoint.cadence=auto, the forecast)
+    saves: dict[str, int] = field(default_factory=dict)
     # the attempt of a supervisor that restarts the run (the Ray launcher sets RUNNER_ATTEMPT): 1 is the first
     attempt: int = field(default_factory=lambda: int(os.environ.get("RUNNER_ATTEMPT") or 1))
     loop_started: Optional[float] = None
@@ -76,6 +79,8 @@ class Goodput:
         if saved:
             self.before = {k: float(v) for k, v in saved.get("seconds", {}).items()}
             self.launches_before = int(saved.get("launches", 0))
+            for category, count in (saved.get("saves") or {}).items():
+                self.saves[category] = self.saves.get(category, 0) + int(count)
         lost = {int(r["step"]): float(r.get("step_time_s", 0.0)) for r in lost_steps
                 if "loss" in r and int(r.get("step", 0)) > restored}
         # Steps up to the last one it logged (train.log_every apart), at the logged steps' mean time.
@@ -91,6 +96,10 @@ class Goodput:
         self.launches_before = max([self.launches_before, *(
             int(r["goodput/launches"]) for r in lost_steps if "goodput/launches" in r and int(r["step"]) > restored)])
 
+    def saved(self, category: str) -> None:
+        """One more save of `category` ("checkpoint" or "checkpoint_local"), once its blocking part is timed."""
+        self.saves[category] = self.saves.get(category, 0) + 1
+
     def undone(self, steps: int, seconds: float) -> None:
         """A rewind undid `steps` steps trained in `seconds`: they count as recomputed, not useful."""
         self.recomputed_steps += steps
@@ -99,11 +108,23 @@ class Goodput:
     def _mark(self) -> dict[str, float]:
         return {c: self.spent[c] for c in PAUSES}
 
-    def start_loop(self) -> None:
+    def start_loop(self, run_dir: Any = None, resumed: Any = None) -> None:
+        """The loop starts: what came before it is startup. With `run_dir`, process 0 also writes this
+        launch's line (where it resumed, what starting cost) in its launches.jsonl, for supervisors
+        (runner.observability.launches)."""
         self.loop_started = self.clock()
         self.spent["startup"] = max(0.0, self.loop_started - self.started - sum(
             self.spent[c] for c in {"compile", *PAUSES}))
         self._marks = [self._mark()]
+        if run_dir is not None:
+            import jax
+
+            from runner.observability import launches
+            from runner.parallel.distributed import hosts_by_process
+
+            hosts = len(set(hosts_by_process()))  # (every process: a gather)
+            if jax.process_index() == 0:
+                launches.append(run_dir, launches.record(self, resumed, jax.process_count(), hosts=hosts))
 
     def end_loop(self) -> None:
         self.loop_ended = self.clock()
@@ -125,19 +146,21 @@ class Goodput:
 
     def report(self, totals: Mapping[str, float]) -> dict[str, float]:
         """The metrics: goodput/percent, goodput/launches, goodput/restarts (a supervisor's, RUNNER_ATTEMPT - 1),
-        goodput/recomputed_steps, goodput/<category>_s."""
+        goodput/recomputed_steps, goodput/saves and saves_local (durable and local saves made), goodput/<category>_s."""
         useful = totals["train"] - totals["recomputed"]
         out = {"goodput/percent": 100.0 * useful / totals["wall"] if totals["wall"] > 0 else 0.0,
                "goodput/launches": float(self.launches_before + 1),
                "goodput/recomputed_steps": float(self.recomputed_steps),
                "goodput/local_tier_spared_steps": float(self.local_tier_spared_steps),
-               "goodput/restarts": float(self.attempt - 1)}
+               "goodput/restarts": float(self.attempt - 1),
+               "goodput/saves": float(self.saves.get("checkpoint", 0)),
+               "goodput/saves_local": float(self.saves.get("checkpoint_local", 0))}
         out.update({f"goodput/{k}_s": v for k, v in totals.items()})
         return out
 
     def to_meta(self, totals: Mapping[str, float]) -> dict[str, Any]:
         """What a checkpoint carries to the next launch."""
-        return {"seconds": dict(totals), "launches": self.launches_before + 1}
+        return {"seconds": dict(totals), "launches": self.launches_before + 1, "saves": dict(self.saves)}
 
 
 def summary_line(report: Mapping[str, float]) -> str:

@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from runner.errors import UserError, first_line
 from runner.exits import DOES_NOT_FIT_EXIT_CODE
+from runner.parallel import roofline
+from runner.parallel.hlo import collective_bytes, fused_kernels, host_transfers, quantized_matmuls
 from runner.parallel.topology import GiB, Topology, aot_topology_args, parse_topology
 from runner.spec import ExecutionSpec
 
@@ -97,6 +99,8 @@ class CompileReport:
     collective_bytes: dict[str, int] | None = None  # per device per step, by kind (`collective_bytes`)
     # what crosses between slices, by kind (multi-slice topologies only): `collective_bytes` with slice_of
     cross_slice_bytes: dict[str, int] | None = None
+    # the roofline at the chip's published rates (runner.parallel.roofline.StepEstimate), where it has them
+    estimate: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -131,6 +135,35 @@ class CompileReport:
               if self.cross_slice_bytes is not None else []),
         ]
 
+    def _speed_lines(self) -> list[str]:
+        """The step's FLOPs, its time at peak, and the roofline's estimate."""
+        lines: list[str] = []
+        flops = []
+        if self.flops_per_device is not None:
+            flops.append(f"compiled {self.flops_per_device:.3e} per device"
+                         f" ({self.flops_per_device * self.devices:.3e} in all)")
+        if self.analytic_flops is not None:
+            ratio = ""
+            if self.flops_per_device:
+                ratio = f", compiled/analytic {self.flops_per_device * self.devices / self.analytic_flops:.2f}"
+            flops.append(f"analytic 6N + attention {self.analytic_flops:.3e} in all{ratio}")
+        if flops:
+            lines.append(f"  FLOPs per step: {'; '.join(flops)}")
+        if self.flops_loops_counted_once:
+            lines.append("    (XLA's cost analysis counts a loop body once, so scanned layers"
+                         " (job.model.scan_layers) and accumulation steps are undercounted in the"
+                         " compiled figure; the analytic one is the MFU numerator)")
+        per_device = self.analytic_flops / self.devices if self.analytic_flops else self.flops_per_device
+        if per_device and self.peak_flops_per_device:
+            lines.append(f"  at peak bf16 FLOP/s ({self.peak_flops_per_device:.3g} per device) a step takes at least"
+                         f" {1e3 * per_device / self.peak_flops_per_device:.3g} ms")
+        if per_device and self.format_peak_per_device:
+            lines.append(f"  at the chip's peak in the quantized format ({self.format_peak_per_device:.3g} per device),"
+                         f" if every matmul ran in it: {1e3 * per_device / self.format_peak_per_device:.3g} ms")
+        if self.estimate is not None:
+            lines.append(f"  {roofline.StepEstimate(**self.estimate).line()}")
+        return lines
+
     def text(self) -> str:
         """The human-readable report."""
         lines = [*self._model_lines(), "", "  memory per device"]
@@ -160,29 +193,7 @@ class CompileReport:
                          if kernel_tables_overflow(self.compiler_error or "") else
                          f"  the compiler ran out of device memory ({', '.join(said)}):")
             lines.append(f"    {self.compiler_error}")
-        lines.append("")
-        flops = []
-        if self.flops_per_device is not None:
-            flops.append(f"compiled {self.flops_per_device:.3e} per device"
-                         f" ({self.flops_per_device * self.devices:.3e} in all)")
-        if self.analytic_flops is not None:
-            ratio = ""
-            if self.flops_per_device:
-                ratio = f", compiled/analytic {self.flops_per_device * self.devices / self.analytic_flops:.2f}"
-            flops.append(f"analytic 6N + attention {self.analytic_flops:.3e} in all{ratio}")
-        if flops:
-            lines.append(f"  FLOPs per step: {'; '.join(flops)}")
-        if self.flops_loops_counted_once:
-            lines.append("    (XLA's cost analysis counts a loop body once, so scanned layers"
-                         " (job.model.scan_layers) and accumulation steps are undercounted in the"
-                         " compiled figure; the analytic one is the MFU numerator)")
-        per_device = self.analytic_flops / self.devices if self.analytic_flops else self.flops_per_device
-        if per_device and self.peak_flops_per_device:
-            lines.append(f"  at peak bf16 FLOP/s ({self.peak_flops_per_device:.3g} per device) a step takes at least"
-                         f" {1e3 * per_device / self.peak_flops_per_device:.3g} ms")
-        if per_device and self.format_peak_per_device:
-            lines.append(f"  at the chip's peak in the quantized format ({self.format_peak_per_device:.3g} per device), if"
-                         f" every matmul ran in it: {1e3 * per_device / self.format_peak_per_device:.3g} ms")
+        lines += ["", *self._speed_lines()]
         if self.fits:
             lines.append(f"fits: yes, the train step fits on {self.topology} (exit 0)")
         else:
@@ -342,17 +353,6 @@ def _sharded_bytes(tree: Any) -> int:
                for x in jax.tree.leaves(tree))
 
 
-def _flops(compiled: Any) -> float | None:
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # not every backend implements it
-        return None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    value = (cost or {}).get("flops")
-    return float(value) if value is not None and value >= 0 else None
-
-
 def _advice(spec: Any, mesh: dict[str, int]) -> str:
     """The ways to fit a step that does not, leaving out each one already in force: fewer rows per
     device (while a device has more than one; at one, the row split over more devices by context
@@ -451,192 +451,6 @@ def _model_notes(job: Any) -> str:
     return "\n  ".join(note for note in notes if note)
 
 
-_DEFINED = re.compile(r"%(\S+) = \(?([a-z][a-z0-9]*)\[")  # an instruction's name and (first) element type
-_MATMUL = re.compile(r" (dot|convolution|custom-call)\(%([^,)\s]+), %([^,)\s]+)")
-
-
-_HOST = "S(5)"  # XLA's memory space of host memory, in a shape's layout
-_ASYNC = re.compile(r" (copy-start|dynamic-update-slice-start|dynamic-slice-start)\(")
-_SHAPE = re.compile(r"\w+\[[^\]]*\]\{[^}]*\}")
-
-
-def host_transfers(hlo: str) -> dict[str, int]:
-    """The compiled program's asynchronous copies to and from host memory (memory space 5), each
-    instruction once (a loop body counts once). A copy's result is (destination, source, ...): to
-    the host when the destination is there, back when the source is; an update-slice writes into
-    its first operand (to the host when that lives there), a slice reads its first operand (back
-    when that lives there)."""
-    moved = {"to_host": 0, "from_host": 0}
-    for line in hlo.splitlines():
-        match = _ASYNC.search(line)
-        if not match or "= " not in line[:match.start()]:
-            continue
-        shapes = _SHAPE.findall(line[line.index("= ") + 2:match.start()])
-        if len(shapes) < 2:
-            continue
-        if match.group(1) == "copy-start":
-            moved["to_host"] += _HOST in shapes[0] and _HOST not in shapes[1]
-            moved["from_host"] += _HOST in shapes[1] and _HOST not in shapes[0]
-        elif _HOST in shapes[0] and _HOST not in shapes[1]:
-            moved["to_host" if match.group(1) == "dynamic-update-slice-start" else "from_host"] += 1
-    return moved
-
-
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9\-]*)\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
-_CALLEE = re.compile(r"(?:body|calls)=%([^\s,)]+)")
-_CONDITION = re.compile(r"condition=%([^\s,)]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_BOUND = re.compile(r"= s32\[\]\{?[^ ]* constant\((\d+)\)")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def _bytes_of(result: str) -> int:
-    """The bytes of every array in an instruction's result type (a tuple's summed)."""
-    total = 0
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
-        total += _DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-_GROUPS = re.compile(r"replica_groups=(\{[\d,{}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-_PAIRS = re.compile(r"source_target_pairs=\{([\d,{}]*)\}")
-_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-
-
-def device_groups(line: str, devices: int) -> list[list[int]]:
-    """The groups of devices (their places in the program's device assignment) a collective
-    instruction runs over: its source-target pairs, or its replica groups, listed or in XLA's iota
-    form (``[G,N]<=[dims]T(perm)``); none given is one group of every device."""
-    import numpy as np
-
-    pairs = _PAIRS.search(line)
-    if pairs:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    found = _GROUPS.search(line)
-    text = found.group(1) if found else "{}"
-    if text.startswith("{"):
-        listed = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text)]
-        return [g for g in listed if g] or [list(range(devices))]
-    shape, dims, perm = _IOTA.match(text).groups()  # type: ignore[union-attr]
-    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
-    if perm:
-        ids = ids.transpose([int(p) for p in perm.split(",")])
-    return ids.reshape(int(shape.split(",")[0]), -1).tolist()
-
-
-_NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
-_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
-_FIRST_OPERAND = re.compile(r"-done\(%([^,)\s]+)")
-
-
-def _crosses(line: str, slice_of: Sequence[int], started: dict[str, bool]) -> bool:
-    """Whether the collective on `line` runs over devices of more than one slice: a `-done` as its
-    start did (kept in `started`, by the start's name)."""
-    done = _FIRST_OPERAND.search(line)
-    if done:
-        return started.get(done.group(1), False)
-    crosses = any(len({slice_of[d] for d in group}) > 1 for group in device_groups(line, len(slice_of)))
-    name = _NAME.match(line)
-    if name:
-        started[name.group(1)] = crosses
-    return crosses
-
-
-def collective_bytes(hlo: str, slice_of: Sequence[int] | None = None) -> dict[str, int]:
-    """Per device, the bytes of the results of the compiled step's collectives, by kind, each loop
-    body times its trip count (the layer scan's 32 layers, say): what each device receives from
-    the others in one step. An asynchronous collective counts at its `-done`; one wrapped in an
-    async computation counts inside it. A loop's trip count is XLA's known_trip_count, else the
-    one integer its condition compares the counter with (a scan's length), else 1. With
-    `slice_of` (each device's slice, in the program's device order) only what crosses slices
-    counts: the collectives whose device groups (`device_groups`) span slices, and the sends a
-    multi-slice TPU program makes through its data-centre network runtime (XLA lowers the
-    cross-slice part of a collective to those: `all-reduce by send`, `one-to-one by send`, ...)."""
-    own: dict[str, dict[str, int]] = {}
-    started: dict[str, bool] = {}  # an asynchronous collective's start: whether its groups span slices
-    calls: dict[str, list[tuple[str, Any]]] = {}
-    bounds: dict[str, set[int]] = {}
-    entry, name = "", ""
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            name = header.group(1)
-            entry = name if line.startswith("ENTRY") else entry
-            own[name], calls[name], bounds[name] = {}, [], set()
-            continue
-        bound = _BOUND.search(line) if name else None
-        if bound:
-            bounds[name].add(int(bound.group(1)))
-        match = _OP.match(line) if name else None
-        if not match:
-            continue
-        result, op = match.groups()
-        kind = re.sub(r"-(start|done)$", "", op)
-        counted = kind in _COLLECTIVES and (slice_of is None or _crosses(line, slice_of, started))
-        if counted and not op.endswith("-start"):
-            own[name][kind] = own[name].get(kind, 0) + _bytes_of(result)
-        dcn = _MEGASCALE.search(line) if slice_of is not None and op == "send" else None
-        if dcn:  # a transfer between slices by the TPU's data-centre network runtime: its data, the first array
-            kind = f"{dcn.group(1).lower().replace('_', '-')} by send"
-            own[name][kind] = own[name].get(kind, 0) + _bytes_of(result.split("}", 1)[0])
-        if op in ("while", "call", "async-start", "conditional"):
-            trips, condition = _TRIPS.search(line), _CONDITION.search(line)
-            times: Any = int(trips.group(1)) if trips else condition.group(1) if op == "while" and condition else 1
-            calls[name] += [(callee, times) for callee in _CALLEE.findall(line)]
-
-    def trips_of(times: Any) -> int:
-        if isinstance(times, int):
-            return times
-        found = bounds.get(times, set())
-        return next(iter(found)) if len(found) == 1 else 1
-
-    def total(comp: str, seen: tuple[str, ...] = ()) -> dict[str, int]:
-        out = dict(own.get(comp, {}))
-        for callee, condition in calls.get(comp, []):
-            times = trips_of(condition)
-            if callee not in seen:
-                for kind, n in total(callee, (*seen, comp)).items():
-                    out[kind] = out.get(kind, 0) + times * n
-        return out
-
-    return total(entry) if entry else {}
-
-
-_KERNEL_TARGETS = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*)"')
-
-
-def fused_kernels(hlo: str) -> dict[str, int]:
-    """The compiled program's calls of fused kernels, by custom-call target: Pallas/Mosaic kernels
-    on TPU (`tpu_custom_call`: splash attention, megablox) and cuDNN's fused attention on GPU. What
-    proves the kernel named by job.model.attention reached the compiler (a loop body counts once)."""
-    counts: dict[str, int] = {}
-    for target in _KERNEL_TARGETS.findall(hlo):
-        counts[target] = counts.get(target, 0) + 1
-    return counts
-
-
-def quantized_matmuls(hlo: str) -> dict[str, int]:
-    """Count the compiled program's matmuls (dots, convolutions, cuBLAS calls), and those whose
-    two operands are int8 or fp8: what proves the quantized ops reached the compiler (a TPU's
-    int8 matmul may well return bf16; its operands say what it multiplied)."""
-    types = dict(_DEFINED.findall(hlo))
-    counts = {"int8": 0, "fp8": 0, "all": 0}
-    for line in hlo.splitlines():
-        match = _MATMUL.search(line)
-        if not match or (match.group(1) == "custom-call" and "matmul" not in line):
-            continue
-        counts["all"] += 1
-        operands = {types.get(match.group(2), ""), types.get(match.group(3), "")}
-        if operands == {"s8"}:
-            counts["int8"] += 1
-        elif "matmul$f8" in line or all(t.startswith("f8") for t in operands):
-            counts["fp8"] += 1
-    return counts
-
-
 def _analytic_flops(job: Any) -> float | None:
     fpt = job.flops_per_token()
     if not fpt:
@@ -699,7 +513,37 @@ def compile_report(spec: ExecutionSpec, job_class: Callable[..., Any],
         return report
     report.compile_seconds = time.perf_counter() - start
     slices = [int(getattr(d, "slice_index", 0)) for d in job.mesh.devices.flat]
-    return _read_compiled(report, compiled, limit, slices if (topology.num_slices or 1) > 1 else None)
+    _read_compiled(report, compiled, limit, slices if (topology.num_slices or 1) > 1 else None)
+    report.estimate = _estimate(report, compiled, job, topology, slices)
+    return report
+
+
+def _estimate(report: CompileReport, compiled: Any, job: Any, topology: Topology,
+              slices: Sequence[int]) -> dict[str, Any] | None:
+    """The compiled step's roofline (runner.parallel.roofline), where the chip's rates are published.
+    The model config says what it recomputes (job.model.remat, auto resolved as
+    runner.models.common.decoder.remat_of does) and its pipeline's bubble (common.pipeline.Schedule)."""
+    config = job.model_config
+    remat = getattr(config, "remat", "none")
+    if remat == "auto":
+        remat = "dots" if getattr(config, "scan_layers", False) else "none"
+    stages = int(getattr(config, "pipeline_stages", 1))
+    bubble = 0.0 if stages <= 1 else \
+        (stages - 1) / (config.pipeline_microbatches * config.pipeline_repeats + stages - 1)
+    rates = None if topology.chip is None else roofline.Rates.of(topology.chip)
+    if rates is None or not report.analytic_flops:
+        return None
+    devices, text = list(job.mesh.devices.flat), compiled.as_text()
+    coords = [tuple(d.coords) if getattr(d, "coords", None) is not None else None for d in devices]
+    multi = (topology.num_slices or 1) > 1
+    estimate = roofline.estimate_step(
+        rates=rates, model_flops=report.analytic_flops, remat=remat, devices=len(devices),
+        chips=max(1, len(devices) // topology.chip.devices_per_chip), tokens=report.batch_size * report.seq_len,
+        bytes_accessed=roofline.compiled_cost(compiled, "bytes accessed"), loops=roofline.loop_factor(text),
+        ici=roofline.ici_seconds(text, rates, coords, slices if multi else None),
+        dcn_bytes=float(sum((report.cross_slice_bytes or {}).values())) if multi else 0.0,
+        bubble=bubble)
+    return asdict(estimate)
 
 
 def _read_compiled(report: CompileReport, compiled: Any, limit: int | None,
@@ -715,7 +559,7 @@ def _read_compiled(report: CompileReport, compiled: Any, limit: int | None,
             generated_code=int(stats.generated_code_size_in_bytes),
             host=int(getattr(stats, "host_argument_size_in_bytes", 0) + getattr(stats, "host_output_size_in_bytes", 0)
                      - getattr(stats, "host_alias_size_in_bytes", 0) + getattr(stats, "host_temp_size_in_bytes", 0)))
-    report.flops_per_device = _flops(compiled)
+    report.flops_per_device = roofline.compiled_cost(compiled, "flops")
     text = compiled.as_text()
     if report.quantization:
         report.quantized_matmuls = quantized_matmuls(text)

@@ -131,6 +131,26 @@ def steps_by_process(steps: list[int]) -> dict[int, frozenset[int]]:
     return {s: frozenset(p) for s, p in held.items()}
 
 
+def hosts_by_process() -> list[int]:
+    """Each process's machine, numbered from 0 in the order of first appearance (process 0's is 0):
+    processes that share a host name share a number (call it on every process: an allgather of a
+    hash of socket.gethostname()). len(set(...)) is the run's hosts: a machine's failure takes all
+    of its processes, and SLURM starts one process per GPU."""
+    import socket
+    import zlib
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return [0]
+    mine = np.asarray([zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF], dtype=np.int32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+    numbers: dict[int, int] = {}
+    return [numbers.setdefault(int(h), len(numbers)) for h in everyone]
+
+
 def from_process(source: int, text: str | None) -> str:
     """`text` as process `source` has it, on every process (call it on every process)."""
     import jax

@@ -104,7 +104,11 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_s
                           f" {len(devices)} devices.", "resize the axes (one may be -1 to fill).")
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if num_slices == 1:
-        return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+        try:
+            return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+        except NotImplementedError:  # an axis that is no product of the chips' grid sides: split a side
+            grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+            return Mesh(grid, MESH_AXES, axis_types=axis_types)
     check_slices(shape, num_slices)
     across = slice_axis(shape)
     ici = tuple(shape[a] // num_slices if a == across else shape[a] for a in MESH_AXES)
@@ -116,7 +120,10 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None, num_s
                 f"The mesh asks for {num_slices} slices but the devices span {len(groups)}. Fix: name"
                 f" the topology you are running on (e.g. topology={len(groups)}x<slice>) or topology=auto."
             )
-        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        try:
+            grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        except NotImplementedError:  # as above, within each slice
+            grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
     else:
         # No slice_index (CPU/GPU): build each group's mesh and stack them along the axis that
         # spans slices, which is what create_hybrid_device_mesh does for such a DCN shape.

@@ -53,6 +53,14 @@ class Chip:
     # such matrix units, None where no rate is published
     peak_int8_ops: float | None = None
     peak_fp8_ops: float | None = None
+    # Published rates per chip, for the roofline of mode=compile and mode=plan (runner.parallel.roofline):
+    # HBM bytes/s; the chip's bidirectional inter-chip bandwidth over all its `ici_ports` (a GPU's NVLink
+    # through its switch: one port); and its data-centre network (between slices; a GPU's between hosts).
+    # None where no figure is published.
+    hbm_bytes_per_s: float | None = None
+    ici_bytes_per_s: float | None = None
+    ici_ports: int = 1
+    dcn_bytes_per_s: float | None = None
 
     @property
     def hbm_bytes_per_device(self) -> int:
@@ -68,14 +76,24 @@ CHIPS: dict[str, Chip] = {
     for c in (
         Chip("v2", 16 * GiB, 45e12, 2, 4, 2, "cores", 4, 0, 0),
         Chip("v3", 32 * GiB, 123e12, 2, 4, 2, "cores", 4, 0, 0),
-        Chip("v4", 32 * GiB, 275e12, 2, 4, 1, "cores", 4, 275e12, 0),
-        Chip("v5p", 95 * GiB, 459e12, 2, 4, 1, "cores", 4, 918e12, 0),
-        Chip("v5e", 16 * GiB, 197e12, 1, 4, 1, "chips", 8, 394e12, 0),
-        Chip("v6e", 32 * GiB, 918e12, 1, 4, 1, "chips", 8, 1836e12, 0),
-        Chip("tpu7x", 192 * GiB, 2307e12, 2, 4, 2, "cores", 4, None, 4614e12),  # Ironwood
-        Chip("h100", 80 * GiB, 989e12, 1, 8, 1, "chips", 8, 1979e12, 1979e12),
-        Chip("h200", 141 * GiB, 989e12, 1, 8, 1, "chips", 8, 1979e12, 1979e12),
-        Chip("a100", 80 * GiB, 312e12, 1, 8, 1, "chips", 8, 624e12, 0),
+        # Cloud TPU's system-architecture pages (v4: the JAX scaling book's per-link figures, 6 ports x 90 GB/s)
+        Chip("v4", 32 * GiB, 275e12, 2, 4, 1, "cores", 4, 275e12, 0, hbm_bytes_per_s=1.2e12, ici_bytes_per_s=5.4e11,
+             ici_ports=6, dcn_bytes_per_s=3.125e9),
+        Chip("v5p", 95 * GiB, 459e12, 2, 4, 1, "cores", 4, 918e12, 0, hbm_bytes_per_s=2.765e12,
+             ici_bytes_per_s=1.2e12, ici_ports=6, dcn_bytes_per_s=6.25e9),  # DCN 50 Gbps a chip
+        Chip("v5e", 16 * GiB, 197e12, 1, 4, 1, "chips", 8, 394e12, 0, hbm_bytes_per_s=8.19e11, ici_bytes_per_s=2e11,
+             ici_ports=4, dcn_bytes_per_s=3.125e9),  # ICI 1,600 Gbps; DCN 6.4 Tbps a 256-chip pod
+        Chip("v6e", 32 * GiB, 918e12, 1, 4, 1, "chips", 8, 1836e12, 0, hbm_bytes_per_s=1.64e12,
+             ici_bytes_per_s=4.48e11, ici_ports=4, dcn_bytes_per_s=1.25e10),  # ICI 3,584 Gbps; DCN 25.6 Tbps a pod
+        Chip("tpu7x", 192 * GiB, 2307e12, 2, 4, 2, "cores", 4, None, 4614e12,  # Ironwood
+             hbm_bytes_per_s=7.37e12, ici_bytes_per_s=1.2e12, ici_ports=6, dcn_bytes_per_s=1.25e10),
+        # NVIDIA's datasheets: NVLink through the NVSwitch (one port), 400 Gb/s InfiniBand a GPU (A100: 200)
+        Chip("h100", 80 * GiB, 989e12, 1, 8, 1, "chips", 8, 1979e12, 1979e12, hbm_bytes_per_s=3.35e12,
+             ici_bytes_per_s=9e11, dcn_bytes_per_s=5e10),
+        Chip("h200", 141 * GiB, 989e12, 1, 8, 1, "chips", 8, 1979e12, 1979e12, hbm_bytes_per_s=4.8e12,
+             ici_bytes_per_s=9e11, dcn_bytes_per_s=5e10),
+        Chip("a100", 80 * GiB, 312e12, 1, 8, 1, "chips", 8, 624e12, 0, hbm_bytes_per_s=2.039e12,
+             ici_bytes_per_s=6e11, dcn_bytes_per_s=2.5e10),
     )
 }
 _TPU_ALIASES = {"v5litepod": "v5e"}  # canonical names: the Cloud TPU accelerator type

@@ -10,11 +10,18 @@ every process agrees on the newest local step that all of them can restore (from
 shards, or, for a process without them, from the copies other processes hold); when that is at
 least as new as the durable tier's newest, it is restored from the local tier (checked, and on
 any process's failure set aside on every process), else the durable tier is restored as before.
+
+With checkpoint.cadence=auto the intervals are chosen (runner.checkpoint.cadence) at the launch's
+start and after every save, from goodput's timings (a save's blocking seconds per tier, the step
+time) and launches.jsonl's (each launch's start, restore and compile) as process 0 measured them,
+shared with every process so that all decide alike, over the run's hosts (machines, not processes);
+the fixed intervals hold until each tier has a measured save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -24,13 +31,14 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 import jax
 
 from runner.checkpoint import checkpointer as ckpt
-from runner.checkpoint import checksum, local_tier, replicas, storage
+from runner.checkpoint import cadence, checksum, local_tier, replicas, storage
 from runner.errors import first_line
 from runner.models import place_hf_params
 from runner.models.hf.mapping import HF_PREFIX
+from runner.observability import launches
 from runner.observability.goodput import Goodput
 from runner.observability.metrics import METRICS_FILE, truncate_jsonl
-from runner.parallel.distributed import all_processes, any_process, from_process, steps_by_process
+from runner.parallel.distributed import all_processes, any_process, from_process, hosts_by_process, steps_by_process
 from runner.spec import ExecutionSpec
 from runner.train.loop import Component, Loop
 from runner.train.rewind import RewindJournal
@@ -51,6 +59,8 @@ class Saved(Protocol):
     goodput: Goodput
 
     def checkpoint_meta(self) -> dict[str, Any]: ...
+
+    def goodput_totals(self) -> dict[str, float]: ...
 
     def watching(self, phase: str, step: int) -> ContextManager[None]: ...
 
@@ -77,6 +87,9 @@ class Checkpointing(Component):
         self.durable_newest: Optional[int] = None  # the durable tier's newest step when the run started
         self.rebuilt_for: Optional[list[int]] = None  # processes whose local shards came from other processes'
         self.rebuilt_from: list[int] = []
+        self._launch_step = 0  # the step this launch's loop started from (its step time is measured from there)
+        self._undone_before = 0  # goodput's recomputed steps then (a rewind's undone steps count from there)
+        self._relaunches: list[float] = []  # each launch's start, restore and compile seconds (launches.jsonl)
 
     @functools.cached_property
     def checkpointer(self) -> ckpt.Checkpointer:
@@ -114,6 +127,85 @@ class Checkpointing(Component):
 
     # ------------------------------------------------------------------ the loop's cadence
 
+    @functools.cached_property
+    def auto(self) -> Optional[cadence.AutoCadence]:
+        """checkpoint.cadence=auto's chooser (None: the fixed intervals)."""
+        c = self.spec.checkpoint
+        if c.cadence != "auto":
+            return None
+        fixed = f"durable {_every(c)}" + (f", local {_every(c.local)}" if self.local is not None else "")
+        return cadence.AutoCadence(c.mtbf_hours, len(set(self.host_of)), c.auto_max_minutes * 60, fixed,
+                                   local=self.local is not None, local_recovers=self._local_recovers())
+
+    @functools.cached_property
+    def host_of(self) -> list[int]:
+        """Each process's machine (gathered once, on every process): a machine's failure takes all its
+        processes, so the job fails per machine, and SLURM starts one process per GPU."""
+        return hosts_by_process()
+
+    def _local_recovers(self) -> float:
+        """The fraction of failures the local tier recovers from: all but a lost host's, and those
+        too when the other machines hold a copy of every shard of one (process 0's machine's, as all
+        are alike; its other processes are lost with it)."""
+        if self.local is None:
+            return 0.0
+        host = self.host_of
+        others = {d.id for d in self.owner.mesh.devices.flat if host[d.process_index] != host[0]}
+        copied = bool(others) and not replicas.unreplicated(state_tree(self.owner.state), others)
+        return 1.0 if copied else 1.0 - self.spec.checkpoint.local.host_loss_fraction
+
+    def start(self, loop: Loop) -> None:
+        self._launch_step = self.owner.step
+        self._undone_before = self.owner.goodput.recomputed_steps
+        if self.auto is not None:
+            self._relaunches = self._launch_costs()
+            self._choose()
+
+    def _launch_costs(self) -> list[float]:
+        """Process 0: each launch's start, restore and compile seconds from launches.jsonl (this launch's
+        line is there: written as its loop started), which counts the launches killed before their first
+        save that the checkpoints forget. [] where it cannot be read: the checkpoints' estimate then."""
+        if jax.process_index() != 0:
+            return []
+        try:
+            read = functools.partial(launches.read, self.run_dir)
+            lines = storage.bounded(read, launches.WRITE_BOUND_S) if storage.is_remote(self.run_dir) else read()
+        except Exception as err:  # a bucket that does not answer: the estimate from the checkpoints instead
+            self.warn(f"could not read {launches.FILE} ({type(err).__name__}: {first_line(err, 200)}); auto's "
+                      "relaunch cost is the checkpoints' estimate, low when launches die before their first save")
+            return []
+        return [sum(float(line.get(f"{c}_s") or 0.0) for c in ("startup", "restore", "compile")) for line in lines]
+
+    def _choose(self) -> None:
+        """auto: choose from process 0's measurements (every process calls this at the same step)."""
+        assert self.auto is not None
+        choice, line = self.auto.update(self._measured())
+        if choice is not None:
+            policy, keep_every = self.checkpointer.policy, self.spec.checkpoint.keep_every
+            policy.every_steps, policy.every_minutes, policy.also_every = choice.every_steps, 0.0, keep_every
+            if self.local is not None:
+                self.local_policy.every_steps, self.local_policy.every_minutes = choice.local_every_steps, 0.0
+        if line and jax.process_index() == 0:
+            say = self.owner.logger.progress.message if self.owner.logger is not None else print
+            say(line)
+
+    def _measured(self) -> cadence.Measured:
+        g = self.owner.goodput
+        totals = self.owner.goodput_totals()
+        # the steps this launch trained: those it advanced, and those a rewind undid (trained, then counted
+        # as recomputed), so that its training seconds, which include theirs, are over all of them
+        steps = self.owner.step - self._launch_step + (g.recomputed_steps - self._undone_before)
+        if steps > 0:  # this launch's steps: its training and data waits so far
+            seconds = sum(totals[c] - g.before.get(c, 0.0) for c in ("train", "data_wait"))
+        else:  # at a relaunch: the steps kept from the launches before
+            steps, seconds = self.owner.step, totals["train"] + totals["data_wait"] - totals["recomputed"]
+        step_s = seconds / steps if steps > 0 and seconds > 0 else None
+        measured = cadence.Measured.of(totals, g.saves, g.launches_before + 1, step_s, self._relaunches)
+        mine = json.dumps(dataclasses.asdict(measured))
+        if jax.process_count() > 1:
+            mine = from_process(0, mine if jax.process_index() == 0 else None)
+        return cadence.Measured(**json.loads(mine))
+
     def needs_metrics(self, loop: Loop, step: int) -> bool:
         self._due = step < loop.total and self.checkpointer.policy.due(step)  # the one question per step
         self._local_due = (not self._due and step < loop.total and self.local is not None
@@ -127,6 +219,10 @@ class Checkpointing(Component):
             self.save()
         elif self._local_due:
             self.save_local()
+        else:
+            return
+        if self.auto is not None:  # a save measured: choose again (at the same step on every process)
+            self._choose()
 
     # ------------------------------------------------------------------ saving
 
@@ -147,6 +243,7 @@ class Checkpointing(Component):
         category = "checkpoint" if tier == "durable" else "checkpoint_local"
         with owner.watching("save", step), owner.goodput.timing(category):
             yield
+        owner.goodput.saved(category)
         owner.callbacks.dispatch("on_save_end", step=step)
 
     def save(self) -> bool:
@@ -351,8 +448,8 @@ class Checkpointing(Component):
             return f"{restored.location}"
         newer = restored.step - (self.durable_newest or 0)
         durable = f"step {self.durable_newest}" if self.durable_newest is not None else "none"
-        rebuilt = "" if not self.rebuilt_for else \
-            f"; process {_listed(self.rebuilt_for)}'s shards rebuilt from the copies on process {_listed(self.rebuilt_from)}"
+        rebuilt = "" if not self.rebuilt_for else (f"; process {_listed(self.rebuilt_for)}'s shards rebuilt from "
+                                                   f"the copies on process {_listed(self.rebuilt_from)}")
         return (f"local tier {restored.location}{rebuilt}; the durable tier's newest: {durable}, so {newer} steps not "
                 "recomputed")
 
@@ -360,14 +457,12 @@ class Checkpointing(Component):
         """The run card's line: each tier's cadence and where this launch restored from."""
         c = self.spec.checkpoint
 
-        def cadence(spec: Any) -> str:
-            parts = [f"every {spec.every_steps} steps"] if spec.every_steps else []
-            parts += [f"every {spec.every_minutes:g} min"] if spec.every_minutes else []
-            return " and ".join(parts) or "at the end of each launch"
+        def every(spec: Any) -> str:
+            return f"auto (from {_every(spec)} until measured)" if c.cadence == "auto" else _every(spec)
 
-        line = f"checkpoints: durable {cadence(c)}, keep {c.keep}, in {self.checkpointer.directory}"
+        line = f"checkpoints: durable {every(c)}, keep {c.keep}, in {self.checkpointer.directory}"
         if self.local is not None:
-            line += f"; local {cadence(c.local)}, keep {c.local.keep}, in {self.local.directory}"
+            line += f"; local {every(c.local)}, keep {c.local.keep}, in {self.local.directory}"
             if self.local.skipped:
                 line += f" ({self.local.skipped} local saves skipped)"
         if restored_step:
@@ -394,6 +489,13 @@ class Checkpointing(Component):
             self.checkpointer.close()
         if self.__dict__.get("local") is not None:
             self.local.close()
+
+
+def _every(spec: Any) -> str:
+    """A tier's fixed interval in words."""
+    parts = [f"every {spec.every_steps} steps"] if spec.every_steps else []
+    parts += [f"every {spec.every_minutes:g} min"] if spec.every_minutes else []
+    return " and ".join(parts) or "at the end of each launch"
 
 
 def _listed(processes: Any) -> str:

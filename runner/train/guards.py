@@ -151,8 +151,8 @@ def check_saved(saved: Any, spec: GuardSpec, where: Any) -> None:
 
 def halted(reason: str, spec: GuardSpec, step: int, saved_in: Any, logger: Any) -> TrainingHalted:
     """A guard's halt, once the last good state is saved: the logger's ending marked, and the
-    exception that exits with code 1 (never retried by a supervisor), with the fix (the reason's own
-    when it has one)."""
+    exception that exits with runner.exits.HALTED_EXIT_CODE (65: never restarted by a supervisor), with
+    the fix (the reason's own when it has one)."""
     logger.ending(TrainingHalted.exit_code)
     fix = "" if "Fix:" in reason else (
         " Fix: lower optimizer.lr or tighten optimizer.clip_norm, or set guard.nonfinite=skip to step over bad "

@@ -346,7 +346,7 @@ class BaseTrainer(RestoreableJob[C], Generic[C, M]):
                 self.run_card.start(logger.progress.message)
                 loop = Loop(self, step_fn, self._device_batches(self._loader), self.components(logger, stops),
                             self.spec.train.steps)
-                self.goodput.start_loop()
+                self.goodput.start_loop(self.run_dir, self.resumed)  # and its line in launches.jsonl
                 with self.program.context(), frozen_heap():
                     ending = loop.run()
                 self.goodput.end_loop()

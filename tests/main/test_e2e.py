@@ -76,9 +76,13 @@ def test_relaunching_a_finished_run_does_nothing(finished_run) -> None:
 def test_raising_steps_continues_the_same_run(finished_run) -> None:
     tmp, args, _ = finished_run
     run_dir = next((tmp / "runs" / "gpt_tiny").iterdir())
-    more = run_runner([a for a in args if not a.startswith("train.steps")] + ["train.steps=50"], tmp)
+    more = run_runner([a for a in args if not a.startswith("train.steps")] + ["train.steps=50",
+                                                                              "checkpoint.cadence=auto"], tmp)
     assert more.returncode == 0, more.stderr[-2000:]
     assert "resumed from step 40" in more.stdout
+    # auto chooses at launch from the saves and the launch the checkpoint carried (docs/cadence.md)
+    assert "checkpoint cadence auto: durable every " in more.stdout and "(2 launches)" in more.stdout
+    assert "expected goodput" in more.stdout
     steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
     assert steps == list(range(1, 51))
     assert 50 in [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]

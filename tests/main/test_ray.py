@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 from runner.main.ray_launcher import RunnerExit, final_outcome
-from tests.conftest import TINY, fork_server, read_metrics, runner_env, xla_flags
+from tests.conftest import TINY, fork_server, read_metrics, refused_in_process, runner_env, xla_flags
 from tests.forked import run
 from tests.train.test_multiprocess import BASE, STEPS, two_processes  # noqa: F401 (a fixture)
 from tests.train.test_multiprocess import assert_identical_runs as assert_bitwise
@@ -106,11 +106,20 @@ def test_killed_worker_processes_are_restarted_by_ray_and_the_run_ends_bitwise(t
     assert "ray: attempt 1 started on 2 hosts" in out
     assert "ray: attempt 1 ended: process" in out and "killed by SIGKILL" in out
     assert "ray: attempt 2 started on 2 hosts" in out
-    assert re.search(r"ray: attempt 2: resumed from step 4\b", out), out[-4000:]
+    # where each attempt took the run up, and its costs: from launches.jsonl in the run directory
+    cost = r"\(startup \d+\.\d s, restore \d+\.\d s, compile \d+\.\d s\)"
+    assert re.search(rf"ray: attempt 1: training from the start {cost}", out), out[-4000:]
+    assert re.search(r"ray: attempt 2: resumed from step 4 \(durable tier; startup", out), out[-4000:]
     assert "ray: attempt 2 ended: process" in out
     resumed = re.search(r"ray: attempt 3: resumed from step (4|8)\b", out)
     assert resumed, out[-4000:]
     assert "ray: finished after 3 attempts (2 restarts)" in out
+    from runner.observability import launches
+
+    lines = launches.read(tmp_path / "run")
+    assert [(r["attempt"], r["launch"], r["restored_step"], r["processes"]) for r in lines] == [
+        (1, 1, None, 2), (2, 2, 4, 2), (3, 3, int(resumed[1]), 2)]
+    assert all(r["startup_s"] > 0 and r["compile_s"] >= 0 and r["restore_s"] >= 0 for r in lines)
     assert_bitwise(tmp_path / "run", two_processes)  # the same run, two processes launched by hand
     records = [r for r in read_metrics(tmp_path / "run") if "goodput/restarts" in r]
     assert records[-1]["goodput/restarts"] == 2.0 and records[-1]["goodput/launches"] == 3.0  # lost ones too
@@ -182,26 +191,64 @@ def test_a_host_and_port_no_ray_cluster_answers_at_is_refused_before_ray_starts(
 
 
 @pytest.mark.parametrize("bad, words", [
-    ("hydra.launcher.max_restarts=-2", "-1 (no limit) or more"),
-    ("hydra.launcher.hosts=-1", "0 (the topology's hosts) or more"),
-    ("hydra.launcher.address=nowhere", "it is not HOST:PORT"),
-    ("hydra.launcher.hosts=two", "it must be a whole number"),
-    ("hydra.launcher.cpus_per_host=true", "it must be a number"),
+    ("hydra.launcher.max_restart=3", "Invalid config `hydra.launcher.max_restart`: runner has no setting of that name"),
+    ("hydra.launcher.max_restarts=abc", "hydra.launcher.max_restarts=abc: Value 'abc' of type 'str' could not be "
+                                        "converted to Integer"),
+    ("hydra.launcher.hosts=two", "hydra.launcher.hosts=two: Value 'two' of type 'str' could not be converted"),
+    ("hydra.launcher.cpus_per_host=true", "Value 'True' of type 'bool' could not be converted to Float"),
+    ("hydra.launcher.env=3", "Cannot assign int to Dict[str, str]"),
+])
+def test_unknown_or_mistyped_launcher_settings_are_refused_by_the_schema(bad: str, words: str, capsys) -> None:
+    """The settings are a typed Hydra config (hydra_plugins/runner_ray_launcher/config.py): OmegaConf
+    refuses the key or the value as the command line is composed, one exit-2 paragraph."""
+    line = refused_in_process(["hydra/launcher=ray", bad], capsys)
+    assert words in line and "Fix: " in line, line
+
+
+def test_the_launcher_is_one_typed_config_whose_class_path_is_written_once() -> None:
+    """hydra/launcher=ray composes to the schema ConfigStore holds (ray.yaml only extends it); its
+    _target_ is the class Hydra instantiates; what the command line gives reaches the settings typed."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.runner_ray_launcher.config import TARGET
+    from hydra_plugins.runner_ray_launcher.ray_launcher import RayLauncher
+    from runner.main.cli import CONF_DIR, prepare
+    from runner.main.ray_launcher import settings_from_hydra
+
+    prepare()
+    assert TARGET == f"{RayLauncher.__module__}.{RayLauncher.__qualname__}"
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", return_hydra_config=True, overrides=[
+            "hydra/launcher=ray", "hydra.launcher.max_restarts=5", "hydra.launcher.env={XLA_FLAGS: x, N: 2}",
+            "+hydra.launcher.env.MORE=y"])
+    launcher = cfg.hydra.launcher
+    assert OmegaConf.get_type(launcher).__name__ == "RayLauncherConf"  # typed: ConfigStore's schema
+    settings = settings_from_hydra(launcher)
+    assert settings is not None and settings.max_restarts == 5 and settings.cpus_per_host == 1.0
+    assert settings.env == {"XLA_FLAGS": "x", "N": "2", "MORE": "y"}
+    assert settings_from_hydra(OmegaConf.create({"_target_": "hydra._internal.BasicLauncher"})) is None
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("max_restarts: -2", "`hydra.launcher.max_restarts=-2`: it must be -1 (no limit) or more"),
+    ("hosts: -1", "`hydra.launcher.hosts=-1`: it must be 0 (the topology's hosts) or more"),
+    ("object_store_mb: 10", "at least 80 (Ray's minimum)"),
+    ("address: nowhere", "it is not HOST:PORT"),
+    ("max_retries: 3", "Invalid config `hydra.launcher.max_retries`: Key 'max_retries' not in 'RayLauncherConf'"),
 ])
 def test_launcher_settings_we_cannot_honour_are_refused(bad: str, words: str) -> None:
+    """What types cannot say (ranges, an address), and a key added with `+` (Hydra's `+` adds past the
+    schema; it is refused when the settings are read)."""
     from omegaconf import OmegaConf
 
     from runner.errors import UserError
-    from runner.main.ray_launcher import TARGET, RaySettings, check_cluster
+    from runner.main.ray_launcher import TARGET, check_cluster, settings_from_hydra
 
-    key, value = bad.split("=")
-    launcher = OmegaConf.create({"_target_": TARGET, key.split(".")[-1]: OmegaConf.create(f"v: {value}").v})
+    launcher = OmegaConf.merge({"_target_": TARGET}, OmegaConf.create(bad))
     with pytest.raises(UserError) as err:
-        check_cluster(RaySettings.from_hydra(launcher))  # type: ignore[arg-type]
-    assert words in str(err.value)
-    unknown = OmegaConf.create({"_target_": TARGET, "max_retries": 3})
-    with pytest.raises(UserError, match="hydra.launcher.max_retries: the Ray launcher has no setting"):
-        RaySettings.from_hydra(unknown)
+        check_cluster(settings_from_hydra(launcher))  # type: ignore[arg-type]
+    assert words in str(err.value), str(err.value)
 
 
 def test_tpu_slices_are_reserved_by_their_topology() -> None:
@@ -224,18 +271,87 @@ def test_tpu_slices_are_reserved_by_their_topology() -> None:
 
 
 def test_which_exits_are_retried() -> None:
-    traceback = "Traceback (most recent call last):\n  File ...\nRuntimeError: boom\n"
+    """By the code alone: what the process printed does not matter."""
     assert RunnerExit(0, 75, "").retryable and RunnerExit(1, -9, "").retryable and RunnerExit(1, -6, "").retryable
-    assert RunnerExit(0, 1, traceback).retryable  # an uncaught crash
-    assert not RunnerExit(0, 1, "error: Training stopped at step 5: ...").retryable  # the guard
+    assert RunnerExit(0, 1, "").retryable and RunnerExit(0, 1, "error: Training stopped at step 5").retryable  # crash
+    assert not RunnerExit(0, 65, "Traceback (most recent call last):").retryable  # the guard, a hook
     assert not RunnerExit(0, 2, "error: bad").retryable and not RunnerExit(0, 3, "").retryable
-    assert not RunnerExit(0, 75, "", stopped_on_request=True).retryable  # the stop file: the user asked
+    assert not RunnerExit(0, 76, "").retryable and not RunnerExit(0, -2, "").retryable  # a stop asked for, Ctrl-C
     code, message = final_outcome({0: RunnerExit(0, 2, "error: Invalid config `x`: y. Fix: z"),
                                    1: RunnerExit(1, -6, "aborted")})
     assert (code, message) == (2, "Invalid config `x`: y. Fix: z")
+    code, message = final_outcome({0: RunnerExit(0, 65, "error: Training stopped at step 5: non-finite loss."),
+                                   1: RunnerExit(1, 134, "")})
+    assert (code, message) == (65, "Training stopped at step 5: non-finite loss.")
     code, message = final_outcome({1: RuntimeError("actor died")})
     assert code == 75 and "its Ray worker died" in message
 
+
+def test_each_attempt_s_launch_line_comes_from_the_run_directory(tmp_path) -> None:
+    """Rank 0's watcher reports the line its attempt's process 0 adds to launches.jsonl (lines there
+    before the attempt are not its own), once; the driver's line says where it resumed and the costs."""
+    import threading
+    from types import SimpleNamespace
+
+    from runner.main.ray_launcher import LaunchWatcher, launch_event
+    from runner.observability import goodput, launches
+
+    g = goodput.Goodput(started=0.0, clock=lambda: 10.0)
+    g.spent.update(restore=1.25, compile=2.5)
+    g.start_loop()  # no run_dir: no line
+    assert not (tmp_path / launches.FILE).exists()
+    launches.append(tmp_path, launches.record(g, SimpleNamespace(step=None, tier=""), 1, now=5.0))
+    got: list[dict] = []
+    seen = threading.Event()
+    watcher = LaunchWatcher(str(tmp_path), lambda line: (got.append(line), seen.set()), every_s=0.05)
+    assert not watcher.look()  # the first launch's line was there before this attempt
+    g.launches_before, g.attempt = 1, 2
+    launches.append(tmp_path, launches.record(g, SimpleNamespace(step=8, tier="local"), 2))
+    assert seen.wait(10)
+    watcher.stop()
+    assert got == [launches.read(tmp_path)[1]] and got[0]["restored_step"] == 8 and got[0]["attempt"] == 2
+    assert launches.read(tmp_path)[0] == {"launch": 1, "attempt": 1, "restored_step": None, "tier": "",
+                                          "startup_s": 6.25, "restore_s": 1.25, "compile_s": 2.5, "processes": 1,
+                                          "time": 5.0}
+    assert launch_event(2, got[0]) == "attempt 2: resumed from step 8 (local tier; startup 6.2 s, restore 1.2 s, " \
+                                      "compile 2.5 s)"
+    assert launch_event(1, launches.read(tmp_path)[0]).startswith("attempt 1: training from the start (startup")
+    empty = LaunchWatcher(str(tmp_path / "elsewhere"), got.append)
+    empty.stop()
+    assert empty.before == [] and len(got) == 1  # no line yet, none reported
+
+
+
+def test_a_watcher_whose_first_read_fails_looks_again(tmp_path, monkeypatch) -> None:
+    """A bucket that does not answer as the attempt starts: the watcher keeps looking, and takes the
+    lines written since it started as its attempt's (an older line is not reported)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from runner.main.ray_launcher import LaunchWatcher
+    from runner.observability import goodput, launches
+
+    g = goodput.Goodput(started=0.0, clock=lambda: 10.0)
+    launches.append(tmp_path, launches.record(g, SimpleNamespace(step=None, tier=""), 1, now=time.time() - 60))
+    real, calls = launches.read, []
+
+    def flaky(run_dir: Any) -> list[dict]:
+        calls.append(run_dir)
+        if len(calls) <= 2:  # the watcher's first look, and its thread's first
+            raise OSError("503 Service Unavailable")
+        return real(run_dir)
+
+    monkeypatch.setattr(launches, "read", flaky)
+    got: list[dict] = []
+    seen = threading.Event()
+    watcher = LaunchWatcher(str(tmp_path), lambda line: (got.append(line), seen.set()), every_s=0.05)
+    assert watcher.before is None
+    g.launches_before, g.attempt = 1, 2
+    launches.append(tmp_path, launches.record(g, SimpleNamespace(step=8, tier="durable"), 1))
+    assert seen.wait(10)
+    watcher.stop()
+    assert [line["attempt"] for line in got] == [2] and len(calls) >= 3
 
 def test_ray_s_warnings_lose_their_traceback_and_errors_keep_it() -> None:
     """What Train's controller logged on a busy CI machine (a 5 s timeout it calls safe to ignore):

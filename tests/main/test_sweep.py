@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from runner.exits import HALTED_EXIT_CODE
 from tests.conftest import TINY, refused_in_process, run_runner
 
 SWEEP = ["-m", *TINY, "train.steps=6", "checkpoint.every_steps=2", "eval.every=0", "run.sweep=s1"]
@@ -21,9 +22,10 @@ def test_members_run_in_their_own_dirs_and_one_failure_does_not_stop_the_rest(tm
     # The second source does not exist: a failure only running the member finds.
     args = [*SWEEP, "optimizer.lr=1e-2,3e-3", "data.sources=[{path:default}],[{path:nowhere}]"]
     first = run_runner(args, tmp_path)
-    assert first.returncode == 1, first.stderr[-3000:]  # the sweep reports its failures
+    assert first.returncode == 2, first.stderr[-3000:]  # the sweep reports its failures: its members' code
     members = sorted(summary(tmp_path), key=lambda m: "nowhere" in " ".join(m["overrides"]))
     assert [m["status"] for m in members] == ["finished", "finished", "failed", "failed"]
+    assert [m["exit_code"] for m in members] == [0, 0, 2, 2]  # missing data: a usage error
     assert "no token store" in members[2]["message"] and members[2]["objective"] is None
     dirs = [m["run_dir"] for m in members[:2]]
     assert len(set(dirs)) == 2 and all(d.startswith("runs/sweeps/s1/gpt_tiny/") for d in dirs)
@@ -33,7 +35,7 @@ def test_members_run_in_their_own_dirs_and_one_failure_does_not_stop_the_rest(tm
                for m in members[:2])
 
     again = run_runner(args, tmp_path)  # the same sweep again: finished members are skipped
-    assert again.returncode == 1
+    assert again.returncode == 2
     again_members = sorted(summary(tmp_path), key=lambda m: "nowhere" in " ".join(m["overrides"]))
     assert [m["status"] for m in again_members][:2] == ["skipped (already finished)"] * 2
     assert [m["run_dir"] for m in again_members][:2] == dirs
@@ -120,14 +122,14 @@ def test_optuna_optimizes_the_run_objective(tmp_path) -> None:
 @pytest.mark.deep
 def test_a_diverging_or_raising_member_is_recorded_and_the_others_train(tmp_path) -> None:
     """The NaN guard's stop and a raising hook are a member's failure, not the sweep's: recorded with
-    their reason and no objective, the other members train, the table prints, exit 1; a rerun
+    their reason and no objective, the other members train, the table prints, exit 65 (a halt); a rerun
     skips the finished member and fails the others again without blocking it."""
     args = ["-m", *TINY, "train.steps=6", "eval.every=0", "run.sweep=s1", "optimizer.clip_norm=null",
             "schedule.warmup_steps=0", "optimizer.lr=1e6,1e-3", "seed=0,1", "callbacks=[tests.callback_fixture:Recorder]"]
     env = {"HOOK_LOG": str(tmp_path / "hooks.log"), "HOOK_FAIL_AT": "3", "HOOK_FAIL_SEED": "1"}
     for attempt in range(2):
         result = run_runner(args, tmp_path, **env)
-        assert result.returncode == 1, result.stderr[-3000:]
+        assert result.returncode == HALTED_EXIT_CODE, result.stderr[-3000:]
         assert "Traceback" not in result.stderr
         members = {(m["overrides"][-3], m["overrides"][-2]): m for m in summary(tmp_path)}
         assert len(members) == 4
@@ -150,7 +152,7 @@ def test_a_diverging_or_raising_member_is_recorded_and_the_others_train(tmp_path
 @pytest.mark.deep
 def test_optuna_records_a_failed_trial_and_goes_on(tmp_path) -> None:
     """A diverging trial is a failed trial in Optuna's study (not a NaN told to it, which optuna
-    refuses): the sweep finishes its trials and writes its best, exit 1 for the failure. (TPE,
+    refuses): the sweep finishes its trials and writes its best, exit 65 for the halt. (TPE,
     seeded to ask 1e6 then 1e-3; Optuna's grid sampler stops the study from inside `tell` when a
     failed trial is its last point, which hydra-optuna-sweeper does not expect.)"""
     import yaml
@@ -159,7 +161,7 @@ def test_optuna_records_a_failed_trial_and_goes_on(tmp_path) -> None:
             "hydra.sweeper.sampler.seed=10", "hydra.sweeper.n_trials=2", "optimizer.clip_norm=null",
             "schedule.warmup_steps=0", "optimizer.lr=choice(1e6,1e-3)", "run.objective=eval/stdlib/loss"]
     result = run_runner(args, tmp_path)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == HALTED_EXIT_CODE, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Failed experiment" in result.stderr
     assert "\x1b[" not in result.stderr  # Optuna's colours only on a terminal
     root = tmp_path / "runs" / "sweeps" / "opt"
@@ -167,6 +169,35 @@ def test_optuna_records_a_failed_trial_and_goes_on(tmp_path) -> None:
     assert best["best_params"]["optimizer.lr"] == 1e-3
     statuses = sorted(m["status"] for m in json.loads((root / "summary.json").read_text())["members"])
     assert statuses == ["failed", "finished"]
+
+
+def test_a_sweep_exits_with_a_code_a_rerun_may_fix_first(tmp_path) -> None:
+    """Its members are independent: a stop to resume or a crash (a rerun skips the finished members)
+    before a member's end no rerun changes (a halt, a setting), before 0; a record written before
+    members kept their code reads as it did (failed: 1, stopped: its code)."""
+    from runner.checkpoint import storage
+    from runner.main.sweep import SweepSummary
+
+    root = SweepSummary(storage.path(tmp_path / "s"))
+    assert root.exit_code == 0
+    root.record(0, ["a=1"], "", "finished")
+    root.record(1, ["a=2"], "", "failed", "halted", exit_code=65)
+    root.record(2, ["a=3"], "", "failed", "bad", exit_code=2)
+    assert root.exit_code == 65
+    root.record(3, ["a=4"], "", "stopped (resumable)", exit_code=75)
+    assert root.exit_code == 75
+    old = SweepSummary(storage.path(tmp_path / "old"))
+    old.record(0, ["a=1"], "", "failed")
+    (tmp_path / "old" / "members" / next(p.name for p in (tmp_path / "old" / "members").iterdir())).write_text(
+        json.dumps({"member": 0, "overrides": ["a=1"], "run_dir": "", "status": "failed", "metrics": {}}))
+    assert old.exit_code == 1
+    # a local sweep stopped by SIGTERM recorded its member as "stopped (exit 75)" before codes were kept
+    stopped = SweepSummary(storage.path(tmp_path / "stopped"))
+    stopped.record(0, ["a=1"], "", "finished")
+    member = next((tmp_path / "stopped" / "members").iterdir())
+    member.write_text(json.dumps({"member": 0, "overrides": ["a=1"], "run_dir": "", "status": "stopped (exit 75)",
+                                  "metrics": {}}))
+    assert stopped.exit_code == 75
 
 
 def test_the_same_sweep_command_finds_the_same_sweep() -> None:

@@ -65,3 +65,30 @@ def test_a_launch_lost_after_a_later_checkpoint_than_the_one_restored_is_counted
     g.carry({"seconds": {"wall": 10.0}, "launches": 1}, lost, restored=4)
     assert g.launches_before == 2 and g.recomputed_steps == 4
     assert g.report(g.totals(data_wait=0.0))["goodput/launches"] == 3
+
+
+def test_the_loop_s_start_writes_the_launch_s_line_for_supervisors(tmp_path, capsys, monkeypatch) -> None:
+    """start_loop(run_dir, resumed): process 0 appends where the launch took the run up and what
+    starting it cost to launches.jsonl; a directory it cannot write is a warning, never the run's end."""
+    from types import SimpleNamespace
+
+    from runner.observability import launches
+
+    clock = Clock()
+    monkeypatch.setenv("RUNNER_ATTEMPT", "3")
+    g = Goodput(started=90.0, clock=clock)
+    g.carry({"seconds": {}, "launches": 4}, [], restored=8)
+    with g.timing("restore"):
+        clock.now += 2.0
+    with g.timing("compile"):
+        clock.now += 3.0
+    g.start_loop(tmp_path, SimpleNamespace(step=8, tier="local"))
+    (line,) = launches.read(tmp_path)
+    assert {k: v for k, v in line.items() if k != "time"} == {
+        "launch": 5, "attempt": 3, "restored_step": 8, "tier": "local", "startup_s": 10.0, "restore_s": 2.0,
+        "compile_s": 3.0, "processes": 1, "hosts": 1}
+    Goodput(started=90.0, clock=clock).start_loop(tmp_path, SimpleNamespace(step=None, tier=""))
+    assert [r["restored_step"] for r in launches.read(tmp_path)] == [8, None]  # appended, oldest first
+    (tmp_path / "a-file").write_text("")
+    Goodput(clock=clock).start_loop(tmp_path / "a-file", None)  # run.dir is a file: said, and training goes on
+    assert "warning: could not write" in capsys.readouterr().err

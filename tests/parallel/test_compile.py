@@ -334,7 +334,7 @@ def test_collectives_whose_device_groups_span_slices_are_counted_apart() -> None
     an all-gather over all four and an asynchronous permute between the slices (counted at its
     -done, by its start's pairs) do; so do the sends a multi-slice TPU program makes through its
     data-centre network runtime (a loop's, 5 times: each its data, not the token or the counter)."""
-    from runner.parallel.compile import collective_bytes, device_groups
+    from runner.parallel.hlo import collective_bytes, device_groups
 
     assert device_groups("x = all-reduce(%a), replica_groups=[2,2]<=[2,2]T(1,0)", 4) == [[0, 2], [1, 3]]
     assert device_groups("x = all-reduce(%a), replica_groups={}", 4) == [[0, 1, 2, 3]]

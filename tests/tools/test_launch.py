@@ -103,11 +103,15 @@ def test_shared_mount_and_local_run_dirs() -> None:
         f"--volume /data/runs/a:/data/runs/a {IMAGE} job=gpt_small run.compile_cache=/data/runs/a/compile_cache run.dir=/data/runs/a")
 
 
-def test_stop_sends_sigterm_first() -> None:
+def test_stop_sends_sigint_first() -> None:
+    """SIGINT: a stop you ask for, which runner saves and ends with 76, and no --restart loop relaunches."""
     out = launch("stop", "pod-a", "--zone", "z", "--grace-s", "600", "--dry-run")
     assert out.returncode == 0, out.stderr
-    assert out.stdout == ("gcloud compute tpus tpu-vm ssh pod-a --zone=z --worker=all "
-                          "'--command=sudo docker stop --time 600 runner'\n")
+    assert out.stdout == ("gcloud compute tpus tpu-vm ssh pod-a --zone=z --worker=all '--command=sudo docker kill "
+                          "--signal INT runner >/dev/null && { timeout 600 sudo docker wait runner >/dev/null || "
+                          "sudo docker kill runner >/dev/null; }'\n")
+    check = subprocess.run(["bash", "-n", "-c", remote_of(out.stdout)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
     now = launch("stop", "pod-a", "--zone", "z", "--now", "--container", "exp1",
                  "--gcloud-arg=--tunnel-through-iap", "--dry-run")
     assert now.stdout == ("gcloud compute tpus tpu-vm ssh pod-a --zone=z --worker=all --tunnel-through-iap "
@@ -144,15 +148,18 @@ set -- $CODES; shift $((n - 1)); exit ${1:-0}
 
 
 @pytest.mark.parametrize("codes, restart, runs, final", [
-    ("75 134 0", 2, 3, 0),  # a resumable stop, then a host lost: relaunched each time, then finished
+    ("75 134 1 137 0", 4, 5, 0),  # a resumable stop, a host lost, a crash, a kill: relaunched each time, then finished
     ("75 75 75 75", 2, 3, 75),  # the bound: two relaunches, then the last code
     ("2 0", 5, 1, 2),  # a usage error: never relaunched
-    ("1 0", 5, 1, 1),  # the guard or a hook: never relaunched
+    ("65 0", 5, 1, 65),  # the guard or a hook: never relaunched
+    ("75 76 0", 5, 2, 76),  # a stop you asked for (launch_tpu.py stop, the stop file): never relaunched
+    ("125 0", 5, 1, 125),  # docker could not start the container
     ("75 0", 0, 1, 75),  # without --restart: once
 ])
-def test_restart_relaunches_the_container_after_75_or_134_within_the_bound(tmp_path, codes, restart, runs,
-                                                                           final) -> None:
-    """The worker's shell line itself, run here with a stand-in docker that exits as told."""
+def test_restart_relaunches_the_container_by_its_exit_code_within_the_bound(tmp_path, codes, restart, runs,
+                                                                            final) -> None:
+    """The worker's shell line itself, run here with a stand-in docker that exits as told: relaunched
+    on the codes runner/exits.py calls restartable, ended on the others."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "docker").write_text(FAKE_DOCKER)

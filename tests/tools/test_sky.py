@@ -36,7 +36,9 @@ def test_a_tpu_pod_task_is_accepted_by_skypilot_and_runs_runners_command(tmp_pat
                    "WANDB_API_KEY", "--spot", "--out", "task.yaml", "--check", "--", "job=llama3_8b", "train.steps=100")
     assert out.returncode == 0, out.stderr
     assert "runner: 1 node(s), {'tpu-v5p-128': 1}" in out.stdout  # SkyPilot's own reading of the file
-    assert "'max_restarts_on_errors': 0, 'recover_on_exit_codes': [75]" in out.stdout
+    # 75 (stopped early after saving) recovered every time; any other nonzero code (a crash, but SkyPilot cannot
+    # tell it from 2, 3, 65 or 76 there) from a budget of 3 restarts, so a repeating crash ends the job
+    assert "'max_restarts_on_errors': 3, 'recover_on_exit_codes': [75]" in out.stdout
     task = yaml.safe_load((tmp_path / "task.yaml").read_text())
     assert task["num_nodes"] == 1 and task["resources"]["use_spot"] is True
     assert task["envs"] == {"PYTHONUNBUFFERED": "1", "WANDB_API_KEY": None}  # the secret is given at launch
@@ -56,6 +58,26 @@ def test_a_tpu_pod_task_is_accepted_by_skypilot_and_runs_runners_command(tmp_pat
         spec = build_spec(compose(CONFIG_NAME, overrides=words[3:]), words[3:])
     assert spec.topology == "v5p-128" and spec.run.dir == "gs://bucket/runs/llama"
 
+
+
+def test_skypilots_own_recovery_rule_resumes_75_always_and_a_repeating_crash_three_times(tmp_path) -> None:
+    """The written job_recovery fed to SkyPilot's own decision (StrategyExecutor.should_restart_on_failure):
+    75 never spends the budget; any other code (a crash, and also a halt: SkyPilot cannot tell them apart)
+    is relaunched 3 times, then the job ends."""
+    out = sky_task(tmp_path, "--accelerators", "tpu-v5p-8", "--run-dir", "gs://b/r", "--out", "t.yaml")
+    assert out.returncode == 0, out.stderr
+    script = (
+        "import sys, types, yaml\n"
+        "from sky.jobs import recovery_strategy as rs\n"
+        "rec = yaml.safe_load(open(sys.argv[1]))['resources']['job_recovery']\n"
+        "ex = types.SimpleNamespace(recover_on_exit_codes=rec['recover_on_exit_codes'], restart_cnt_on_failure=0,\n"
+        "                           max_restarts_on_errors=rec['max_restarts_on_errors'])\n"
+        "decide = lambda code: rs.StrategyExecutor.should_restart_on_failure(ex, exit_codes=[code])\n"
+        "print([decide(c) for c in (75, 1, 75, 1, 65, 75, 1, 75)])\n")
+    ran = subprocess.run([str(SKY_PYTHON), "-c", script, str(tmp_path / "t.yaml")], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HOME": str(tmp_path / "home")})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip().splitlines()[-1] == "[True, True, True, True, True, True, False, True]"
 
 def test_gpu_nodes_meet_at_the_first_node_as_skypilot_numbers_them(tmp_path) -> None:
     out = sky_task(tmp_path, "--accelerators", "H100:8", "--nodes", "2", "--run-dir", "gs://b/r", "--out", "gpu.yaml",

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from runner.exits import HALTED_EXIT_CODE, PREEMPTED_EXIT_CODE, STOPPED_ON_REQUEST_EXIT_CODE
 from runner.spec import ModelSpec, scaled_model
 from tests import wandb_records
 from tests.conftest import TINY, read_metrics, run_runner, start_runner_until
@@ -44,7 +45,7 @@ def test_hook_points_run_in_order(tmp_path) -> None:
 def test_a_raising_hook_stops_with_a_checkpoint_and_names_itself(tmp_path) -> None:
     result = run_runner([*BASE, "run.dir=run", "train.steps=10", "callbacks=[tests.callback_fixture:Recorder]"],
                         tmp_path, HOOK_LOG=str(tmp_path / "hooks.log"), HOOK_FAIL_AT="3")
-    assert result.returncode == 1
+    assert result.returncode == HALTED_EXIT_CODE
     assert "tests.callback_fixture.Recorder.on_step_end raised RuntimeError: boom" in result.stderr
     assert "Traceback" not in result.stderr
     saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
@@ -64,7 +65,7 @@ EXPLODE = [*TINY, "optimizer=sgd", "optimizer.lr=1e8", "optimizer.clip_norm=null
 @pytest.mark.deep
 def test_guard_stop_saves_the_last_good_state(tmp_path) -> None:
     result = run_runner([*EXPLODE, "run.dir=run", "guard.nonfinite=stop"], tmp_path)
-    assert result.returncode == 1 and "non-finite" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == HALTED_EXIT_CODE and "non-finite" in result.stderr, result.stderr[-2000:]
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     first_bad = min(r["step"] for r in records if r["nonfinite"])
     assert f"at step {first_bad} " in result.stderr
@@ -76,7 +77,7 @@ def test_guard_stop_saves_the_last_good_state(tmp_path) -> None:
 @pytest.mark.deep
 def test_guard_skip_continues_up_to_the_consecutive_limit(tmp_path) -> None:
     result = run_runner([*EXPLODE, "run.dir=run", "guard.nonfinite=skip", "guard.max_consecutive_skips=3"], tmp_path)
-    assert result.returncode == 1 and "4 consecutive steps skipped" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == HALTED_EXIT_CODE and "4 consecutive steps skipped" in result.stderr, result.stderr[-2000:]
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     # the limit is noticed when step k's metrics are read, while step k+1 (also skipped) runs
     assert sum(r["skipped"] for r in records) == 5
@@ -90,10 +91,11 @@ RESUMABLE = [*TINY, "train.steps=20", "eval.every=0", "checkpoint.every_steps=0"
 
 @pytest.mark.deep
 def test_the_stop_file_and_the_step_limit_stop_cleanly_and_the_run_resumes_exactly(tmp_path) -> None:
-    """Launch 1 is stopped by a STOP file in its run directory (exit 75, the file removed); launch
-    2 resumes and stops after train.max_steps_this_launch=5 steps, counted from where it resumed
-    (75); launch 3 ends the run (0), bit for bit the uninterrupted run's parameters. wandb (its own
-    run files, offline): the stopped launches preempted with exit code 75, the last finished with
+    """Launch 1 is stopped by a STOP file in its run directory (exit 76: a stop you asked for, which
+    no supervisor restarts; the file removed); launch 2 resumes and stops after
+    train.max_steps_this_launch=5 steps, counted from where it resumed (75: a supervisor relaunches
+    it); launch 3 ends the run (0), bit for bit the uninterrupted run's parameters. wandb (its own
+    run files, offline): the stopped launches preempted with their exit codes, the last finished with
     0, all three one wandb run. (The time limit is tested by an injected clock in
     tests/train/test_loop.py, not by waiting for it.)"""
     reference = run_runner([*RESUMABLE, "run.dir=reference"], tmp_path)
@@ -105,7 +107,7 @@ def test_the_stop_file_and_the_step_limit_stop_cleanly_and_the_run_resumes_exact
                               tmp_path / "run", 4)
     (tmp_path / "run" / "STOP").touch()
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err[-2000:]
+    assert proc.returncode == STOPPED_ON_REQUEST_EXIT_CODE, err[-2000:]
     assert "stopped by the stop file" in out and not (tmp_path / "run" / "STOP").exists()
     stopped = max(r["step"] for r in read_metrics(tmp_path / "run"))
     # a step's end (its metrics) comes once the next step is dispatched: held at step 5's
@@ -113,7 +115,7 @@ def test_the_stop_file_and_the_step_limit_stop_cleanly_and_the_run_resumes_exact
     assert stopped == 6, stopped
 
     limited = run_runner([*args, "train.max_steps_this_launch=5"], tmp_path)
-    assert limited.returncode == 75, limited.stderr[-2000:]
+    assert limited.returncode == PREEMPTED_EXIT_CODE, limited.stderr[-2000:]
     assert f"resumed from step {stopped} " in limited.stdout, limited.stdout[-2000:]
     assert ("stopped by the step limit for this launch (train.max_steps_this_launch=5) at step "
             f"{stopped + 5}") in limited.stdout, limited.stdout[-2000:]
@@ -122,7 +124,7 @@ def test_the_stop_file_and_the_step_limit_stop_cleanly_and_the_run_resumes_exact
     for a, b in zip(params_of(tmp_path / "run", 20), params_of(tmp_path / "reference", 20), strict=True):
         np.testing.assert_array_equal(a, b)
     launches = wandb_records.launches(tmp_path / "run")
-    assert [(w["preempting"], w["exit_code"]) for w in launches] == [(True, 75), (True, 75), (False, 0)]
+    assert [(w["preempting"], w["exit_code"]) for w in launches] == [(True, 76), (True, 75), (False, 0)]
     assert len({w["id"] for w in launches}) == 1
 
 

@@ -269,3 +269,38 @@ def test_a_stop_file_that_cannot_be_looked_for_is_no_stop_request(tmp_path: Path
     stops.stop_file = tmp_path / "STOP"
     (tmp_path / "STOP").touch()
     assert "stop file" in stops.check(3, 0.1, processes=1)
+
+
+def test_a_stop_you_ask_for_exits_76_any_other_75_and_every_process_agrees(tmp_path: Path, monkeypatch) -> None:
+    """The stop file and SIGINT are a person's stop (76, which no supervisor restarts); SIGTERM and the
+    limits are a stop to be resumed (75). With several processes the kind is agreed, so a process
+    that saw nothing exits with the code of the one that saw the stop file."""
+    import signal
+
+    from runner.exits import PREEMPTED_EXIT_CODE, STOPPED_ON_REQUEST_EXIT_CODE
+    from runner.train import stopping
+
+    ended: list[int] = []
+    logger = SimpleNamespace(progress=SimpleNamespace(message=lambda text: None),
+                             ending=lambda code, preempted: ended.append(code))
+    spec = ExecutionSpec(train=TrainSpec(steps=100, stop_file="STOP"))
+
+    def code_of(stops: StopConditions, reason: str | None) -> int:
+        assert reason
+        return stopping.stopped(stops, reason, 5, logger).exit_code
+
+    stops = StopConditions(spec, tmp_path, 0)
+    (tmp_path / "STOP").touch()
+    assert code_of(stops, stops.check(1, 0.1, processes=1)) == STOPPED_ON_REQUEST_EXIT_CODE
+    assert not (tmp_path / "STOP").exists()  # honoured: a rerun goes on
+    for signum, code in ((signal.SIGINT, STOPPED_ON_REQUEST_EXIT_CODE), (signal.SIGTERM, PREEMPTED_EXIT_CODE)):
+        stops = StopConditions(spec, tmp_path, 0)
+        stops.on_signal(signum, None)
+        assert code_of(stops, stops.check(1, 0.1, processes=1)) == code
+    limited = StopConditions(ExecutionSpec(train=TrainSpec(steps=10, max_steps_this_launch=2)), tmp_path, 0)
+    assert code_of(limited, limited.check(2, 0.1, processes=1)) == PREEMPTED_EXIT_CODE
+    assert ended == [76, 76, 75, 75]  # the logger (wandb) is told each code
+    monkeypatch.setattr(stopping, "any_process", lambda flag: True)  # another process saw the stop file
+    stops = StopConditions(spec, tmp_path, 0)
+    reason = stops.check(spec.distributed.stop_check_every, 0.1, processes=2)
+    assert reason == "a stop request from another process" and code_of(stops, reason) == STOPPED_ON_REQUEST_EXIT_CODE

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runner.exits import HALTED_EXIT_CODE
 from tests.conftest import TINY, read_metrics, run_runner
 from tests.train.test_multiprocess import finish, launch
 from tests.train.test_restore import params_of
@@ -109,7 +110,7 @@ def test_two_processes_rewind_together_and_end_bit_exact_with_one(noise, tmp_pat
 @pytest.mark.deep
 def test_a_spike_with_nothing_to_rewind_to_stops_with_one_paragraph(noise, tmp_path) -> None:
     result = run_runner(poisoned(noise, "run", "guard.rewind_back=60"), tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == HALTED_EXIT_CODE
     err = result.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: Training stopped at step 52: a loss spike at step 51"), err
     assert ("no checkpoint is at least guard.rewind_back=60 steps older than the first spike (step 51)" in err[0]
@@ -122,11 +123,11 @@ def test_a_spike_with_nothing_to_rewind_to_stops_with_one_paragraph(noise, tmp_p
 
 @pytest.mark.deep
 def test_a_stop_then_the_window_by_hand_ends_as_the_automatic_rewind(rewound, noise, tmp_path) -> None:
-    """guard.spike=stop halts at the spike (exit 1, the last good state saved); the relaunch with
+    """guard.spike=stop halts at the spike (exit 65, the last good state saved); the relaunch with
     train.skip_batches sets aside the checkpoints trained on the window, restores the newest one
     before it and ends with the parameters of the run that rewound by itself."""
     stopped = run_runner(poisoned(noise, "run", "guard.spike=stop"), tmp_path)
-    assert stopped.returncode == 1 and "guard.spike=stop" in stopped.stderr, stopped.stderr[-2000:]
+    assert stopped.returncode == HALTED_EXIT_CODE and "guard.spike=stop" in stopped.stderr, stopped.stderr[-2000:]
     by_hand = run_runner(poisoned(noise, "run", "guard.spike=stop", "train.skip_batches=[[40,60]]"), tmp_path)
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
     assert "resumed from step 40" in by_hand.stdout

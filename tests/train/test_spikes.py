@@ -292,10 +292,10 @@ def test_callbacks_hear_of_a_rewind() -> None:
 
 
 def test_a_spike_halt_is_final_for_every_supervisor() -> None:
-    """Exit 1 without a traceback: Ray's launcher does not retry it; SkyPilot (recover_on_exit_codes:
-    75) and launch_tpu --restart (75, 134) relaunch other codes only (tests/main/test_ray.py,
-    tests/tools/test_sky.py, test_launch.py)."""
-    from runner.exits import HALTED_EXIT_CODE
+    """Exit 65 (a halt) without a traceback: not restartable by the code alone (runner.exits: Ray's launcher
+    and launch_tpu --restart; tests/main/test_ray.py, test_launch.py). SkyPilot counts it against its error
+    budget, which it cannot spend on crashes alone (tests/tools/test_sky.py)."""
+    from runner.exits import HALTED_EXIT_CODE, restartable
     from runner.main.ray_launcher import RunnerExit
     from runner.spec import GuardSpec
     from runner.train.guards import halted
@@ -304,7 +304,8 @@ def test_a_spike_halt_is_final_for_every_supervisor() -> None:
     reason = ("a loss spike at step 51: loss 8.9 (band top 4.6), ..., after 3 rewinds (guard.max_rewinds=3; the "
               "record: run/rewinds.json). Fix: find the cause")
     err = halted(reason, GuardSpec(spike="rewind"), 52, "run/checkpoints/52", logger)
-    assert err.exit_code == HALTED_EXIT_CODE == 1 and "Fix: find the cause" in str(err)
+    assert err.exit_code == HALTED_EXIT_CODE == 65 and not restartable(err.exit_code)
+    assert "Fix: find the cause" in str(err)
     assert str(err).count("Fix:") == 1  # the reason's own fix, not the numerical guard's
     assert not RunnerExit(0, err.exit_code, f"error: {err}").retryable
 

@@ -8,7 +8,7 @@ detector fires on a healthy run.
 bytes at data batches 300-302), checkpoints every 100 steps, the detector's defaults (128 steps,
 6 sigma) and PaLM's rewind (back 100 steps, skip 200 batches). Three commands a round, interleaved:
   auto      guard.spike=rewind: the run spikes at step 301, goes back to 200, skips [200, 400)
-  by hand   guard.spike=stop (exit 1 at the spike), then the same command with
+  by hand   guard.spike=stop (exit 65 at the spike), then the same command with
             train.skip_batches=[[200,400]] (restores 200, sets aside 300): what a person does, less
             the time the person takes to notice
   reference the run from scratch with train.skip_batches=[[200,400]], which never spikes
@@ -67,7 +67,7 @@ def cost(rounds: int, out: Path | None) -> None:
         code, times["auto"], text = runner(tmp / f"auto{r}", *poisoned, "guard.spike=rewind")
         assert code == 0 and "rewind 1/3" in text, text[-2000:]
         code, first, text = runner(tmp / f"hand{r}", *poisoned, "guard.spike=stop")
-        assert code == 1, text[-2000:]
+        assert code == 65, text[-2000:]  # runner.exits.HALTED_EXIT_CODE
         code, second, text = runner(tmp / f"hand{r}", *poisoned, "guard.spike=stop", f"train.skip_batches={WINDOW}")
         assert code == 0, text[-2000:]
         times["by_hand"] = first + second
