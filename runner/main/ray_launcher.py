@@ -594,7 +594,8 @@ class LaunchWatcher:
                  every_s: Optional[float] = None) -> None:
         self.run_dir, self.report = run_dir, report
         self.every_s = every_s if every_s is not None else LAUNCH_POLL_S[storage.is_remote(run_dir)]
-        self.since = time.time()  # this attempt's line is written after this
+        # this attempt's line is written after this (launches.jsonl keeps its times to the millisecond, rounded)
+        self.since = time.time() - 0.001
         self.before = self._lines()  # None: not read yet (looked at again by the thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="runner-ray-launch", daemon=True)
