@@ -23,8 +23,9 @@ add up. A pipeline's bubble stretches the whole by 1 / (1 - bubble):
 * DCN: the bytes a device sends between slices (runner.parallel.hlo.collective_bytes with the
   slices) at the chip's share of the data-centre network.
 
-Each term assumes its resource runs at its published peak, so the estimate is optimistic; docs/planning.md
-compares it with published measurements. mode=compile prints it, mode=plan ranks by it.
+Each term assumes its resource runs at its published peak (optimistic); adding HBM to compute is
+pessimistic where fusions overlap the matmuls; docs/planning.md compares the whole with published
+measurements. mode=compile prints it, mode=plan ranks by it.
 """
 
 from __future__ import annotations
