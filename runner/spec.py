@@ -478,7 +478,7 @@ class TrainSpec(_Frozen):
     time_limit_minutes: float = 0.0  # stop cleanly (checkpoint, exit 75) shortly before this; 0: none
     time_limit_margin_s: float = 30.0  # room kept for the final save
     max_steps_this_launch: int = 0  # run this many more steps, then checkpoint and exit 75; 0: no limit
-    stop_file: str = "STOP"  # its appearance (relative to run.dir) stops the run cleanly; "": off
+    stop_file: str = "STOP"  # its appearance (relative to run.dir) stops the run cleanly (exit 76); "": off
     # data-stream windows [start, end) of batches never trained on (docs/spikes.md); []: none
     skip_batches: list[list[int]] = field(default_factory=list, hash=False)
 

@@ -209,7 +209,8 @@ def _code_version() -> str:
 def _cache_file(args: Sequence[str]) -> Path:
     from runner.checkpoint.storage import cache_root
 
-    key = hashlib.sha256((_code_version() + "\0" + "\0".join(args)).encode()).hexdigest()[:32]
+    # the working directory too: a relative path among the settings (a data source) names another file elsewhere
+    key = hashlib.sha256("\0".join([_code_version(), os.getcwd(), *args]).encode()).hexdigest()[:32]
     return cache_root() / "plan" / f"{key}.json"
 
 
@@ -326,9 +327,9 @@ def run_plan(spec: Any, overrides: Sequence[str], say: Callable[[str], None] = p
                         f"held settings {held} allow (a mesh of the topology's devices, micro-batches that split the "
                         f"batch). Fix: hold fewer settings, or hold values that fit the topology.")
     # past the memory model's bound, the smallest still go to the compiler: its verdict, not the model's, is exit 3
-    order = promising(candidates, limit) or sorted(candidates, key=lambda c: c.memory_bytes)
-    plan = Plan(spec.job.name, topology.name, base, held, len(candidates),
-                len(candidates) - len(promising(candidates, limit)))
+    within = promising(candidates, limit)
+    order = within or sorted(candidates, key=lambda c: c.memory_bytes)
+    plan = Plan(spec.job.name, topology.name, base, held, len(candidates), len(candidates) - len(within))
     plan.seconds["enumerate"] = time.perf_counter() - started
     compiling = time.perf_counter()
     done = _compile_in_order(plan, order, settings, say)

@@ -76,6 +76,24 @@ def test_a_plan_it_cannot_honour_is_refused(capsys: pytest.CaptureFixture) -> No
     assert "plan.compiles" in line
 
 
+def test_a_plan_whose_every_compile_fails_says_why_and_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No layout compiled (each crashed, say): not "nothing fits" (exit 3) but the first failure's
+    paragraph, with the layout it came from (exit 2); the progress line says each one failed."""
+    from runner.errors import UserError
+    from runner.main import plan
+    from runner.spec import ExecutionSpec, PlanSpec
+
+    monkeypatch.setattr(plan, "_valid", lambda layout, base: "")
+    fell = (1, None, "RuntimeError: the compiler fell", False)
+    monkeypatch.setattr(plan, "compile_layout", lambda args, cache: fell)
+    said: list[str] = []
+    with pytest.raises(UserError, match=r"could not compile any of the 2 layouts .* was failed: RuntimeError: the "
+                                        r"compiler fell"):
+        plan.run_plan(ExecutionSpec(topology="v5p-8", mode="plan", plan=PlanSpec(compiles=2, workers=1)), [],
+                      say=said.append)
+    assert sum(": failed" in line for line in said) == 2
+
+
 @needs_libtpu
 @pytest.mark.e2e
 def test_a_plan_ranks_compiled_layouts_and_its_commands_compile_to_the_same_verdict(tmp_path: Path) -> None:
