@@ -65,8 +65,9 @@ def test_a_plan_it_cannot_honour_is_refused(capsys: pytest.CaptureFixture) -> No
     with pytest.raises(UserError, match=r"held settings \{'mesh.tensor': '3'\} allow"):
         run_plan(ExecutionSpec(topology="v5p-8", mode="plan"), ["mesh.tensor=3"])
     # the job's own mesh need not fit the topology: the plan chooses the mesh (mode=compile refuses it)
-    from runner.main.cli import precheck
+    from runner.main.cli import precheck, prepare
 
+    prepare()
     llama_on_two_slices = ["job=llama3_70b", "topology=2xv5p-128", "data.strategy=synthetic"]
     precheck(["mode=plan", *llama_on_two_slices], build=True)
     assert "mesh.data" in refused_in_process(["mode=compile", *llama_on_two_slices], capsys, build=True)
